@@ -1,0 +1,1 @@
+"""retrace.train."""
