@@ -1,0 +1,91 @@
+"""safetensors I/O with validation: every missing, extra or mis-shaped tensor is named in one message.
+
+Only safetensors and JSON are ever read from user files (no pickles).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from retrace.errors import CheckpointError
+
+
+def weight_files(directory: Path) -> list[Path]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in directory.glob("*.bin"))
+        hint = f" (found {bins}: pickle checkpoints are not loaded; convert them to safetensors)" if bins else ""
+        raise CheckpointError(f"{directory}: no .safetensors weight files{hint}")
+    return files
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
+
+
+def read_dir_tensors(directory: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files if files is not None else weight_files(directory):
+        out.update(read_tensors(f))
+    return out
+
+
+def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: Path,
+              optional: tuple[str, ...] = (), ignore_prefixes: tuple[str, ...] = ()) -> None:
+    """Copy tensors into module parameters by name, checking names and shapes first."""
+    expected = dict(module.state_dict())
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(ignore_prefixes)}
+    missing = [k for k in expected if k not in tensors and k not in optional]
+    unexpected = [k for k in tensors if k not in expected]
+    shapes = [
+        f"{k}: file {tuple(tensors[k].shape)} vs expected {tuple(expected[k].shape)}"
+        for k in expected
+        if k in tensors and tensors[k].shape != expected[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    if shapes:
+        problems.append("shape mismatch " + "; ".join(shapes[:8]))
+    if problems:
+        raise CheckpointError(f"{where}: weights do not match the config: " + "; ".join(problems))
+    with torch.no_grad():
+        for k, t in expected.items():
+            if k in tensors:
+                t.copy_(tensors[k])
+
+
+def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+    """Write a safetensors file via a temp file in the same directory and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

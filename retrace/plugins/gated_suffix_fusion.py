@@ -1,0 +1,54 @@
+"""GatedSuffixFusion: the one op ReTrace adds to a DFlash drafter (pure-torch reference).
+
+For every block slot k of the next draft block:
+
+    r_k   = m_k + W_c [m_k ; c_k]                                  (refine)
+    g_k   = sigmoid(W_g [x_k ; r_k ; f_k] + b_g)                   (gate, per channel)
+    out_k = x_k + valid_k * g_k * W_v RMSNorm(r_k)                 (gated residual fusion)
+
+x = block input embeddings [N, B, d] (anchor + MASK embeddings), m = rejected-suffix memory
+(drafter hidden states of the previous round, aligned to this block) [N, B, d], c = correction
+(projected target taps of the same verify pass) [N, B, d], f = reliability features [N, B, F],
+valid = 0/1 mask [N, B] (slot 0, the anchor, is never valid). Weights: w_refine [d, 2d],
+w_gate [d, 2d + F], b_gate [d], norm_weight [d], w_value [d, d]. With w_value == 0 the op is the
+identity, so a zero-initialised conditioner is exactly DFlash.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OP_NAME = "GatedSuffixFusion"
+OP_DOMAIN = "retrace"
+OP_VERSION = "1"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def gated_suffix_fusion_reference(
+    x: torch.Tensor,
+    memory: torch.Tensor,
+    correction: torch.Tensor,
+    features: torch.Tensor,
+    valid: torch.Tensor,
+    w_refine: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    w_value: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    refined = memory + torch.cat([memory, correction], dim=-1) @ w_refine.T
+    gate = torch.sigmoid(torch.cat([x, refined, features], dim=-1) @ w_gate.T + b_gate)
+    value = rms_norm(refined, norm_weight, eps) @ w_value.T
+    return x + valid.to(x.dtype).unsqueeze(-1) * gate * value
+
+
+def gated_suffix_fusion(*args, **kwargs) -> torch.Tensor:
+    """Dispatch point used by the models: the reference on CPU; kernels hook in here (see plugins)."""
+    return gated_suffix_fusion_reference(*args, **kwargs)
