@@ -50,5 +50,133 @@ def init_conditioner(drafter_dir: str, init: str, seed: int, force: bool) -> Non
     click.echo(f"wrote {init} conditioner (hidden {cfg.hidden_size}) to {drafter_dir}")
 
 
+def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
+    import json
+    from pathlib import Path
+
+    given = [x is not None for x in (prompt, prompt_ids, prompts_file)]
+    if sum(given) != 1:
+        raise RetraceError("give exactly one of --prompt, --prompt-ids, --prompts-file")
+    if prompt is not None:
+        return [prompt]
+    if prompt_ids is not None:
+        try:
+            return [[int(t) for t in prompt_ids.split(",") if t.strip()]]
+        except ValueError:
+            raise RetraceError(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}") from None
+    path = Path(prompts_file)
+    if not path.is_file():
+        raise RetraceError(f"{path}: prompts file not found")
+    out: list[str | list[int]] = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RetraceError(f"{path}:{n}: not valid JSON ({e})") from None
+        if isinstance(obj, dict) and "prompt_ids" in obj:
+            out.append([int(t) for t in obj["prompt_ids"]])
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            out.append(obj["prompt"])
+        else:
+            raise RetraceError(f"{path}:{n}: each line needs a 'prompt' string or 'prompt_ids' list")
+    if not out:
+        raise RetraceError(f"{path}: no prompts")
+    return out
+
+
+def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads):
+    from retrace.runtime import Runtime
+
+    if engine is not None:
+        if target or drafter:
+            raise RetraceError("give either --engine or --target/--drafter, not both")
+        return Runtime.from_bundle(engine, backend=backend or "onnxruntime", block_size=block_size,
+                                   max_batch=max_batch, threads=threads)
+    if target is None:
+        raise RetraceError("give --target (and --drafter) or --engine")
+    return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch,
+                             max_seq_len=max_seq_len, block_size=block_size, threads=threads)
+
+
+def runtime_options(fn):
+    opts = [
+        click.option("--target", type=click.Path(), help="Qwen3 target HF directory"),
+        click.option("--drafter", type=click.Path(), help="DFlash drafter directory (with conditioner files)"),
+        click.option("--engine", type=click.Path(), help="engine bundle from retrace-export build"),
+        click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
+                     help="torch for --target/--drafter (default), onnxruntime for --engine (default)"),
+        click.option("--max-batch", type=int, default=8, show_default=True),
+        click.option("--max-seq-len", type=int, default=2048, show_default=True),
+        click.option("--block-size", type=int, default=None, help="tokens per draft block (default: drafter's)"),
+        click.option("--threads", type=int, default=None, help="CPU threads for the backend"),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def sampling_options(fn):
+    opts = [
+        click.option("--max-new-tokens", type=int, default=128, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=0, show_default=True),
+        click.option("--seed", type=int, default=None),
+        click.option("--stop", multiple=True, help="stop string (repeatable)"),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+@main.command()
+@runtime_options
+@click.option("--prompt", default=None, help="prompt text")
+@click.option("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3")
+@click.option("--prompts-file", default=None, help="JSONL: one {'prompt': ...} or {'prompt_ids': [...]} per line")
+@click.option("--mode", default="retrace", show_default=True, help="ar | dflash | retrace")
+@sampling_options
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object with outputs and stats")
+@user_errors
+def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, prompt, prompt_ids,
+             prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, as_json) -> None:
+    """Generate with speculative decoding (lossless: greedy output equals the target's own)."""
+    import json
+
+    from retrace.runtime import MODES, SamplingParams
+
+    if mode not in MODES:
+        raise RetraceError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop))
+    prompts = _read_prompts(prompt, prompt_ids, prompts_file)
+    rt = build_runtime(target, drafter, engine, backend, max(max_batch, 1), max_seq_len, block_size, threads)
+    if as_json:
+        results = rt.generate(prompts, params, mode)
+    else:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"{mode} generate", total=len(prompts) * max_new_tokens)
+            results = rt.generate(prompts, params, mode, progress=lambda n: bar.advance(task, n))
+    stats = rt.run_stats()
+    if as_json:
+        click.echo(json.dumps({
+            "outputs": [{"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
+                         "stats": r.stats} for r in results],
+            "stats": stats,
+        }))
+        return
+    for i, r in enumerate(results):
+        click.echo(f"--- output {i} ({len(r.token_ids)} tokens, tau {r.stats['tau'] or 0:.2f}, {r.finish_reason})")
+        click.echo(r.text if r.text is not None else ",".join(map(str, r.token_ids)))
+    t = stats["time"]
+    click.echo(f"--- {stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau'] or 0:.2f}, "
+               f"rounds {stats['rounds']}; time draft {t['draft_s']:.2f}s verify {t['verify_s']:.2f}s "
+               f"prefill {t['prefill_s']:.2f}s other {t['other_s']:.2f}s", err=True)
+
+
 if __name__ == "__main__":
     main()

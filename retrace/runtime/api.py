@@ -1,0 +1,135 @@
+"""The embeddable runtime: build from model directories or an engine bundle, then generate or stream."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from retrace.errors import MissingDependencyError, RetraceError
+from retrace.runtime.backend import Backend
+from retrace.runtime.loop import MODES, Event, Request, Scheduler
+from retrace.runtime.sampling import SamplingParams
+from retrace.runtime.stats import AcceptStats
+from retrace.runtime.tokenizer import TextCodec
+
+# backend name -> "module:Class" (imported only when asked for; only backends know their engine)
+BUNDLE_BACKENDS = {
+    "onnxruntime": "retrace.runtime.onnxruntime_backend:OnnxRuntimeBackend",
+    "tensorrt": "retrace.runtime.tensorrt_backend:TensorRTBackend",
+}
+
+
+def _load_backend_class(name: str):
+    if name not in BUNDLE_BACKENDS:
+        raise RetraceError(f"unknown backend {name!r} for a bundle (choose from {', '.join(BUNDLE_BACKENDS)})")
+    module, cls = BUNDLE_BACKENDS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise MissingDependencyError(f"backend {name!r} is not available: {e}") from None
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    stats: dict
+
+
+class Runtime:
+    def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None):
+        self.backend = backend
+        self.codec = codec
+        self.block_size = block_size
+        self._sched: Scheduler | None = None
+
+    # -- construction ----------------------------------------------------------------------------------
+    @classmethod
+    def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, backend: str = "torch",
+                  max_batch: int = 8, max_seq_len: int = 2048, block_size: int | None = None,
+                  threads: int | None = None) -> Runtime:
+        if backend != "torch":
+            raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
+                               "with --target/--drafter use the torch backend")
+        from retrace.runtime.torch_backend import TorchBackend
+
+        be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=max_batch, max_seq_len=max_seq_len,
+                                    threads=threads)
+        return cls(be, TextCodec.find(target_dir), block_size)
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str | Path, backend: str = "onnxruntime", block_size: int | None = None,
+                    **backend_kwargs) -> Runtime:
+        be = _load_backend_class(backend).from_bundle(bundle_dir, **backend_kwargs)
+        return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), block_size)
+
+    # -- text ------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.codec is None:
+                raise RetraceError("this model has no tokenizer.json: pass token ids (--prompt-ids)")
+            return self.codec.encode(prompt)
+        return [int(t) for t in prompt]
+
+    # -- generation ------------------------------------------------------------------------------------
+    def scheduler(self) -> Scheduler:
+        """The long-lived continuous-batching scheduler (requests join and leave between rounds)."""
+        if self._sched is None:
+            self._sched = Scheduler(self.backend, self.codec, self.block_size)
+        return self._sched
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
+                 mode: str = "retrace", progress=None) -> list[Result]:
+        """Run all prompts as one continuous batch; returns one Result per prompt, in order."""
+        params = params or SamplingParams()
+        sched = self.scheduler()
+        reqs = [sched.add(self.encode(p), params, mode) for p in prompts]
+        while not all(r.finished for r in reqs):
+            events = sched.step()
+            if progress is not None:
+                progress(sum(len(e.token_ids) for e in events))
+        return [self._result(r) for r in reqs]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               mode: str = "retrace") -> Iterator[Event]:
+        """Yield the tokens and text of one request as they are committed."""
+        sched = self.scheduler()
+        req = sched.add(self.encode(prompt), params or SamplingParams(), mode)
+        try:
+            while not req.finished:
+                for ev in sched.step():
+                    if ev.request is req:
+                        yield ev
+        finally:
+            if not req.finished:
+                sched.cancel(req)
+
+    def _result(self, r: Request) -> Result:
+        d = r.result()
+        return Result(d["token_ids"], d["text"] if self.codec else None, d["finish_reason"], d["stats"])
+
+    def run_stats(self) -> dict:
+        sched = self.scheduler()
+        total = AcceptStats()
+        for m in MODES:
+            total.merge(sched.stats[m])
+        t = sched.timing
+        return {
+            **total.to_dict(),
+            "tokens_per_s": total.tokens / t.wall if t.wall else 0.0,
+            "by_mode": {m: s.to_dict() for m, s in sched.stats.items() if s.tokens},
+            "time": t.to_dict(),
+            "max_batch_seen": sched.max_batch_seen,
+            "backend": self.backend.name,
+        }
+
+    def reset_stats(self) -> None:
+        sched = self.scheduler()
+        from retrace.runtime.stats import Timing
+
+        sched.timing = Timing()
+        sched.stats = {m: AcceptStats() for m in MODES}
+        sched.max_batch_seen = 0

@@ -1,0 +1,49 @@
+"""The small interface every backend implements; the loop calls nothing else.
+
+Caches are preallocated per slot and indexed by absolute position (see docs/INTERFACES.md): a call that
+feeds tokens at positions p..p+T-1 writes their K/V there and attends to entries < p, so "cropping" after a
+partial accept is only the next call's start position.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from retrace.models.config import DrafterConfig, Qwen3Config
+from retrace.models.drafter import SuffixInputs
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    target_config: Qwen3Config
+    drafter_config: DrafterConfig | None
+    max_batch: int
+    max_seq_len: int
+    has_conditioner: bool
+
+    def target(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+               logits_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [N,K,V] f32 at logits_index, taps [N,T,k*d]); writes K/V at `positions`."""
+        ...
+
+    def draft(self, slots: torch.Tensor, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor,
+              block_ids: torch.Tensor, block_positions: torch.Tensor,
+              suffix: SuffixInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [N,B,d], logits [N,B-1,V] f32); writes the context K/V at `ctx_positions`."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` finished or was preempted (caches need no clearing: positions mask them)."""
+        ...
+
+
+def contiguous_range(slots: torch.Tensor) -> slice | None:
+    """slots == [a, a+1, ..., a+N-1] -> slice(a, a+N) (a view, no gather), else None."""
+    n = slots.numel()
+    first = int(slots[0])
+    if n == 1 or bool((slots == torch.arange(first, first + n)).all()):
+        return slice(first, first + n)
+    return None

@@ -1,0 +1,319 @@
+"""The lossless draft/verify loop with continuous batching.
+
+One round for the requests of one mode, top to bottom as in the paper:
+  1. draft   the block [anchor, MASK x (B-1)] conditioned on the committed context (and, in `retrace`
+             mode, on the previous round's rejected suffix),
+  2. verify  [anchor, d_1 .. d_{B-1}] with the target in one pass,
+  3. accept  the longest prefix the target agrees with (or speculative sampling) plus the bonus token,
+  4. remember the rejected suffix for the next round (retrace mode),
+  5. commit  tokens, stop checks; the verify taps become the drafter's next context.
+`ar` mode is the same round with no drafts. Requests join (prefill) and leave between rounds; every cache
+is indexed by absolute position, so nothing is copied when a row accepts fewer tokens than another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from retrace.errors import RetraceError
+from retrace.runtime.backend import Backend
+from retrace.runtime.sampling import (
+    SamplingParams,
+    greedy_accept,
+    processed_probs,
+    sample_drafts,
+    speculative_accept,
+)
+from retrace.runtime.stats import AcceptStats, Timing
+from retrace.runtime.suffix_memory import SuffixMemory
+from retrace.runtime.tokenizer import TextCodec
+
+MODES = ("ar", "dflash", "retrace")
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    mode: str
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted_text: int = 0  # chars of `text` already streamed
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: AcceptStats = field(default_factory=AcceptStats)
+    slot: int = -1
+    anchor: int = -1  # last committed token (no target K/V yet)
+    anchor_pos: int = -1
+    ctx_taps: torch.Tensor | None = None  # target taps not yet given to the drafter
+    ctx_pos0: int = 0  # absolute position of ctx_taps[0]
+    generator: torch.Generator | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+    def result(self) -> dict:
+        wall = max(self.t_end - self.t_start, 1e-12)
+        return {
+            "token_ids": list(self.output_ids), "text": self.text, "finish_reason": self.finish_reason,
+            "stats": {**self.stats.to_dict(), "tokens_per_s": len(self.output_ids) / wall, "wall_s": wall},
+        }
+
+
+@dataclass
+class Event:
+    """What one step committed for one request (streaming)."""
+
+    request: Request
+    token_ids: list[int]
+    text: str
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
+                 eos_ids: tuple[int, ...] | None = None):
+        self.backend = backend
+        self.codec = codec
+        dc = backend.drafter_config
+        self.block_size = int(block_size or (dc.block_size if dc else 1))
+        if dc is not None and not 2 <= self.block_size <= dc.block_size:
+            raise RetraceError(f"block size {self.block_size} must be in 2..{dc.block_size} (the drafter's block_size)")
+        self.eos_ids = set(backend.target_config.eos_token_ids if eos_ids is None else eos_ids)
+        self.mask_id = dc.mask_token_id if dc else -1
+        self.memory = (SuffixMemory(backend.max_batch, self.block_size, dc.hidden_size)
+                       if dc is not None else None)
+        self.free_slots = list(range(backend.max_batch))
+        self.waiting: list[Request] = []
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.timing = Timing()
+        self.stats: dict[str, AcceptStats] = {m: AcceptStats() for m in MODES}
+        self.max_batch_seen = 0
+        self._ids = itertools.count()
+
+    # -- requests --------------------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
+        """Queue a request (validated now, so a bad one never breaks a running batch)."""
+        if mode not in MODES:
+            raise RetraceError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        if mode != "ar" and self.backend.drafter_config is None:
+            raise RetraceError(f"mode {mode!r} needs a drafter; this runtime has only a target (use mode 'ar')")
+        if mode == "retrace" and not self.backend.has_conditioner:
+            raise RetraceError("mode 'retrace' needs a ReTrace conditioner beside the drafter "
+                               "(retrace init-conditioner or retrace train conditioner)")
+        if not prompt_ids:
+            raise RetraceError("empty prompt")
+        vocab = self.backend.target_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RetraceError(f"prompt token ids must be in [0, {vocab})")
+        need = len(prompt_ids) + params.max_new_tokens + self.block_size + 1
+        if need > self.backend.max_seq_len:
+            raise RetraceError(
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} + block "
+                f"{self.block_size} exceeds the configured max length {self.backend.max_seq_len}")
+        req = Request(next(self._ids), list(prompt_ids), params, mode)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        req.generator = torch.Generator().manual_seed(seed)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Drop a request (client went away / preemption): frees its slot and its suffix memory."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        t0 = time.perf_counter()
+        events: dict[int, Event] = {}
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted, events)
+        self.max_batch_seen = max(self.max_batch_seen, len(self.running))
+        for mode in MODES:
+            group = [r for r in self.running.values() if r.mode == mode]
+            if group:
+                self._round(group, events)
+        self.timing.wall += time.perf_counter() - t0
+        return list(events.values())
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting.pop(0)
+            req.slot = self.free_slots.pop(0)
+            req.t_start = time.perf_counter()
+            self.running[req.slot] = req
+            if self.memory is not None:
+                self.memory.clear(req.slot)
+            admitted.append(req)
+        return admitted
+
+    def _prefill(self, reqs: list[Request], events: dict[int, Event]) -> None:
+        t0 = time.perf_counter()
+        lens = torch.tensor([len(r.prompt_ids) for r in reqs])
+        T = int(lens.max())
+        ids = torch.zeros(len(reqs), T, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            ids[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
+        positions = torch.arange(T).expand(len(reqs), T)
+        slots = torch.tensor([r.slot for r in reqs])
+        logits, taps = self.backend.target(slots, ids, positions, (lens - 1).unsqueeze(1))
+        self.timing.prefill += time.perf_counter() - t0
+        for i, r in enumerate(reqs):
+            first = self._sample_one(logits[i, 0], r)
+            r.ctx_taps, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], 0
+            r.anchor, r.anchor_pos = first, len(r.prompt_ids)
+            self._commit(r, [first], events)
+
+    def _round(self, reqs: list[Request], events: dict[int, Event]) -> None:
+        mode = reqs[0].mode
+        N = len(reqs)
+        B = self.block_size if mode != "ar" else 1
+        slots = torch.tensor([r.slot for r in reqs])
+        anchor = torch.tensor([r.anchor for r in reqs])
+        anchor_pos = torch.tensor([r.anchor_pos for r in reqs])
+        block_pos = anchor_pos.unsqueeze(1) + torch.arange(B)
+
+        # 1. draft
+        hidden = q = draft_logits = None
+        drafts = torch.zeros(N, 0, dtype=torch.int64)
+        if B > 1:
+            t0 = time.perf_counter()
+            block_ids = torch.cat([anchor.unsqueeze(1), torch.full((N, B - 1), self.mask_id)], dim=1)
+            ctx_taps, ctx_pos = self._context(reqs)
+            suffix = self.memory.read(slots) if mode == "retrace" else None
+            hidden, draft_logits = self.backend.draft(slots, ctx_taps, ctx_pos, block_ids, block_pos, suffix)
+            drafts, q = self._propose(draft_logits[:, : B - 1], reqs)
+            self.timing.draft += time.perf_counter() - t0
+
+        # 2. verify
+        t0 = time.perf_counter()
+        block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)
+        logits, taps = self.backend.target(slots, block, block_pos, torch.arange(B).expand(N, B))
+        self.timing.verify += time.perf_counter() - t0
+
+        # 3. accept
+        accepted, bonus = self._accept(logits, drafts, q, reqs)
+
+        # 4. remember the rejected suffix
+        if mode == "retrace":
+            self._remember(slots, hidden, block, logits, draft_logits[:, : B - 1], accepted, anchor_pos)
+
+        # 5. commit
+        for i, r in enumerate(reqs):
+            a = int(accepted[i])
+            r.stats.record(a)
+            self.stats[mode].record(a)
+            r.ctx_taps, r.ctx_pos0 = taps[i], r.anchor_pos
+            r.anchor, r.anchor_pos = int(bonus[i]), r.anchor_pos + a + 1
+            self._commit(r, drafts[i, :a].tolist() + [int(bonus[i])], events)
+
+    # -- pieces of a round -----------------------------------------------------------------------------
+    def _context(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pending target taps per row (prompt after prefill, the B verify slots after a round), right-padded.
+        Pad entries sit at positions >= the anchor, where the drafter masks them."""
+        C = max(r.ctx_taps.shape[0] for r in reqs)
+        if all(r.ctx_taps.shape[0] == C for r in reqs):
+            taps = torch.stack([r.ctx_taps for r in reqs])
+        else:
+            taps = reqs[0].ctx_taps.new_zeros(len(reqs), C, reqs[0].ctx_taps.shape[-1])
+            for i, r in enumerate(reqs):
+                taps[i, : r.ctx_taps.shape[0]] = r.ctx_taps
+        pos0 = torch.tensor([r.ctx_pos0 for r in reqs])
+        positions = (pos0.unsqueeze(1) + torch.arange(C)).clamp_max(self.backend.max_seq_len - 1)
+        return taps, positions
+
+    def _propose(self, draft_logits: torch.Tensor, reqs: list[Request]):
+        """Greedy rows take the drafter's argmax; sampling rows sample from its processed distribution q."""
+        drafts = draft_logits.argmax(-1)
+        q = None
+        if any(not r.params.greedy for r in reqs):
+            q = torch.zeros_like(draft_logits)
+            for i, r in enumerate(reqs):
+                if not r.params.greedy:
+                    q[i] = processed_probs(draft_logits[i], r.params)
+                    drafts[i] = sample_drafts(q[i], r.generator)
+        return drafts, q
+
+    def _accept(self, logits, drafts, q, reqs):
+        accepted, bonus, _ = greedy_accept(logits, drafts)
+        for i, r in enumerate(reqs):
+            if not r.params.greedy:
+                p = processed_probs(logits[i], r.params)
+                a, b = speculative_accept(p, q[i] if q is not None else p[:0], drafts[i], r.generator)
+                accepted[i], bonus[i] = a, b
+        return accepted, bonus
+
+    def _remember(self, slots, hidden, block, logits, draft_logits, accepted, anchor_pos) -> None:
+        """Write each row's rejected suffix into its persistent buffer, aligned to the next block."""
+        self.memory.write(slots, hidden, block, logits, draft_logits, accepted, anchor_pos)
+
+    def _sample_one(self, logits: torch.Tensor, r: Request) -> int:
+        if r.params.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(processed_probs(logits, r.params), 1, generator=r.generator))
+
+    # -- commit and stop ---------------------------------------------------------------------------------
+    def _commit(self, r: Request, tokens: list[int], events: dict[int, Event]) -> None:
+        p = r.params
+        new: list[int] = []
+        for t in tokens:
+            new.append(t)
+            r.output_ids.append(t)
+            if t in self.eos_ids and not p.ignore_eos:
+                r.finish_reason = "stop"
+                break
+            if len(r.output_ids) >= p.max_new_tokens:
+                r.finish_reason = "length"
+                break
+        r.stats.tokens += len(new)
+        self.stats[r.mode].tokens += len(new)
+        delta = ""
+        if self.codec is not None:
+            r.text = self.codec.decode(r.output_ids)
+            if p.stop:
+                cut = min((i for i in (r.text.find(s) for s in p.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    r.text = r.text[:cut]
+                    r.finish_reason = "stop"
+            # hold back an incomplete UTF-8 tail and anything that might still become a stop string
+            hold = 0 if r.finish_reason else max([len(s) - 1 for s in p.stop] + [0])
+            visible = r.text[: len(r.text) - hold] if hold else r.text
+            if not r.finish_reason and visible.endswith("\ufffd"):
+                visible = visible.rstrip("\ufffd")
+            if len(visible) > r.emitted_text:
+                delta = visible[r.emitted_text:]
+                r.emitted_text = len(visible)
+        ev = events.get(r.rid)
+        if ev is None:
+            events[r.rid] = Event(r, new, delta, False)
+        else:
+            ev.token_ids.extend(new)
+            ev.text += delta
+        if r.finish_reason:
+            self._finish(r, r.finish_reason)
+            events[r.rid].finished = True
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finished = True
+        r.finish_reason = r.finish_reason or reason
+        r.t_end = time.perf_counter()
+        r.ctx_taps = None
+        if r.slot >= 0 and self.running.get(r.slot) is r:
+            del self.running[r.slot]
+            if self.memory is not None:
+                self.memory.clear(r.slot)
+            self.backend.release(r.slot)
+            self.free_slots.append(r.slot)
+            self.free_slots.sort()
+        r.slot = -1

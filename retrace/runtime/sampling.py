@@ -1,0 +1,100 @@
+"""Sampling parameters, logit processing and lossless acceptance (greedy and speculative sampling).
+
+Greedy (T=0): accept the longest prefix with d_k == argmax p_{k-1}; the bonus is argmax p_a.
+Sampling (T>0): drafts are sampled from the drafter's processed distribution q_k; d_k is accepted with
+probability min(1, p(d_k)/q(d_k)); at the first rejection the bonus is sampled from norm(max(0, p - q)),
+after a full accept from p_K (Leviathan et al. 2022). p and q go through the same temperature / top-k /
+top-p processing, so the output distribution is exactly the target's processed sampling distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from retrace.errors import RetraceError
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise RetraceError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise RetraceError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RetraceError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RetraceError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise RetraceError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (transformers' order) -> probabilities [..., V] (float32)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p  # mass before this token already enough
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def greedy_accept(verify_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verify_logits [N, K+1, V], drafts [N, K] -> (accepted a [N], bonus [N], target argmax [N, K+1])."""
+    post = verify_logits.argmax(-1)
+    match = (drafts == post[:, :-1]).to(torch.int64)
+    a = match.cumprod(dim=1).sum(dim=1)
+    bonus = post.gather(1, a.unsqueeze(1)).squeeze(1)
+    return a, bonus, post
+
+
+def sample_drafts(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """q [K, V] -> one token per slot [K]."""
+    return torch.multinomial(q, 1, generator=gen).squeeze(1)
+
+
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                       gen: torch.Generator) -> tuple[int, int]:
+    """One row. p [K+1, V] target probs, q [K, V] proposal probs, drafts [K] -> (accepted a, bonus token)."""
+    K = drafts.shape[0]
+    if K:
+        idx = torch.arange(K)
+        p_d, q_d = p[idx, drafts], q[idx, drafts]
+        u = torch.rand(K, generator=gen)
+        ok = (u * q_d <= p_d).to(torch.int64)
+        a = int(ok.cumprod(0).sum())
+    else:
+        a = 0
+    if a < K:
+        residual = (p[a] - q[a]).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else p[a]
+    else:
+        dist = p[K]
+    bonus = int(torch.multinomial(dist, 1, generator=gen))
+    return a, bonus

@@ -1,0 +1,54 @@
+"""Acceptance and timing statistics: tau (mean accepted length per round, counting the bonus token)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptStats:
+    rounds: int = 0
+    tokens: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # index a = rounds that accepted a drafts
+
+    def record(self, accepted: int) -> None:
+        self.rounds += 1
+        if accepted >= len(self.accepted_hist):
+            self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
+        self.accepted_hist[accepted] += 1
+
+    @property
+    def tau(self) -> float | None:
+        if not self.rounds:
+            return None
+        return sum((a + 1) * n for a, n in enumerate(self.accepted_hist)) / self.rounds
+
+    def merge(self, other: AcceptStats) -> None:
+        self.rounds += other.rounds
+        self.tokens += other.tokens
+        for a, n in enumerate(other.accepted_hist):
+            if a >= len(self.accepted_hist):
+                self.accepted_hist.extend([0] * (a + 1 - len(self.accepted_hist)))
+            self.accepted_hist[a] += n
+
+    def to_dict(self) -> dict:
+        return {"tau": self.tau, "rounds": self.rounds, "tokens": self.tokens, "accepted_hist": list(self.accepted_hist)}
+
+
+@dataclass
+class Timing:
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    wall: float = 0.0
+
+    @property
+    def other(self) -> float:
+        return max(0.0, self.wall - self.prefill - self.draft - self.verify)
+
+    def to_dict(self) -> dict:
+        w = self.wall or 1e-12
+        return {
+            "wall_s": self.wall, "prefill_s": self.prefill, "draft_s": self.draft, "verify_s": self.verify,
+            "other_s": self.other, "other_share": self.other / w,
+        }
