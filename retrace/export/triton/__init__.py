@@ -1,0 +1,1 @@
+"""Triton Inference Server deployment: repository generator, python-backend model, cached server env."""

@@ -1,0 +1,141 @@
+"""Triton python-backend model serving a ReTrace engine bundle (copied as ``<model>/1/model.py``).
+
+Decoupled: ``execute`` validates each request and either answers it at once with an error (FINAL flag) or
+queues it; a background thread (:class:`retrace.export.triton.serving.ServingLoop`) runs the runtime's
+scheduler so concurrent requests share rounds, and sends one response per commit (``stream`` true) or
+one final response. Parameters (config.pbtxt) that drive it:
+
+``RETRACE_BUNDLE``            engine bundle directory (relative paths are relative to the model directory)
+``RETRACE_BACKEND``           runtime backend (default ``onnxruntime``)
+``RETRACE_MAX_BATCH``         requests decoded together (scheduler slots)
+``RETRACE_MAX_TOKENS``        cap on ``max_tokens`` (0: from the bundle / runtime)
+``RETRACE_MODES``             comma-separated modes clients may ask for; the first is the default
+``RETRACE_PYTHONPATH``        extra import directories (``:``-separated, relative to the model directory)
+``RETRACE_RUNTIME_FACTORY``   "module:callable" replacing the real runtime (tests: the stand-in)
+``RETRACE_RUNTIME_OPTIONS``   JSON keyword arguments for the runtime factory
+"""
+
+import json
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The repository carries its own copy of the retrace package beside this file: put it first so the
+# model runs the code it was generated with, whatever else the execution environment holds.
+if os.path.isdir(os.path.join(_HERE, "retrace")) and _HERE not in sys.path[:1]:
+    sys.path.insert(0, _HERE)
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _log(msg):
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is not None:
+        logger.log_info(f"[retrace] {msg}")
+    else:
+        print(f"[retrace] {msg}", file=sys.stderr, flush=True)
+
+
+def _error(message, kind="invalid"):
+    code_name = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE"}.get(kind, "INTERNAL")
+    code = getattr(pb_utils.TritonError, code_name, None)
+    err = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=err)
+
+
+def _bytes_tensor(name, text):
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+class _TritonSink:
+    """Adapts a decoupled response sender to :class:`retrace.export.triton.serving.Sink`."""
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, token_ids, text, stats, final):
+        outputs = [_bytes_tensor("text_output", text),
+                   pb_utils.Tensor("output_ids", np.asarray(token_ids, dtype=np.int64).reshape(-1))]
+        if stats is not None:
+            outputs.append(_bytes_tensor("stats", json.dumps(stats)))
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if final else 0)
+
+    def error(self, message, kind="internal"):
+        self.sender.send(_error(message, kind), flags=_FINAL)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("the ReTrace model must be decoupled (model_transaction_policy)")
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        model_dir = args["model_repository"]
+
+        def resolve(p):
+            return p if os.path.isabs(p) else os.path.normpath(os.path.join(model_dir, p))
+
+        for p in filter(None, params.get("RETRACE_PYTHONPATH", "").split(os.pathsep)):
+            if resolve(p) not in sys.path:
+                sys.path.insert(0, resolve(p))
+
+        from retrace.export.triton import serving
+        from retrace.export.triton.validation import INPUTS, Limits, RequestError, parse_request
+
+        self._parse, self._RequestError, self._input_names = parse_request, RequestError, tuple(INPUTS)
+        bundle = resolve(params.get("RETRACE_BUNDLE", "bundle"))
+        manifest = serving.read_manifest(bundle)
+        max_batch = int(params.get("RETRACE_MAX_BATCH", "8"))
+        options = json.loads(params.get("RETRACE_RUNTIME_OPTIONS") or "{}")
+        runtime = serving.create_runtime(
+            bundle,
+            backend=params.get("RETRACE_BACKEND") or serving.DEFAULT_BACKEND,
+            max_batch=max_batch,
+            factory=params.get("RETRACE_RUNTIME_FACTORY") or None,
+            options=options,
+        )
+        adapter = serving.RuntimeAdapter(runtime)
+        blim = serving.bundle_limits(manifest)
+        max_seq_len = adapter.max_seq_len or blim["max_seq_len"]
+        max_tokens = int(params.get("RETRACE_MAX_TOKENS") or 0) or blim["max_new_tokens"]
+        if not max_tokens:
+            max_tokens = max_seq_len - 1 if max_seq_len else 4096
+        modes = tuple(m.strip() for m in (params.get("RETRACE_MODES") or "retrace,dflash").split(",") if m.strip())
+        self.limits = Limits(max_tokens=max_tokens, max_seq_len=max_seq_len,
+                             vocab_size=adapter.vocab_size or blim["vocab_size"], modes=modes, default_mode=modes[0])
+        self.loop = serving.ServingLoop(adapter, self.limits, max_batch=max_batch, log=_log)
+        self.loop.start()
+        _log(f"{args['model_name']} ({args['model_instance_name']}) serving {bundle} with "
+             f"{type(runtime).__name__}, max_batch={max_batch}, limits={self.limits}")
+
+    def execute(self, requests):
+        from retrace.export.triton.serving import Job
+
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in self._input_names:
+                    t = pb_utils.get_input_tensor_by_name(request, name)
+                    inputs[name] = None if t is None else t.as_numpy()
+                spec = self._parse(inputs, request.parameters(), self.limits)
+            except self._RequestError as e:
+                sender.send(_error(str(e), "invalid"), flags=_FINAL)
+                continue
+            except Exception as e:  # a bug must still answer the client
+                sender.send(_error(f"could not read the request: {type(e).__name__}: {e}", "internal"), flags=_FINAL)
+                continue
+            self.loop.submit(Job(spec=spec, sink=_TritonSink(sender)))
+        return None
+
+    def finalize(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
+            _log(f"stopped: {loop.snapshot()}")

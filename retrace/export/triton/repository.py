@@ -1,0 +1,168 @@
+"""Write a Triton Inference Server model repository that serves a ReTrace engine bundle.
+
+Layout (``<repo>/<name>/``)::
+
+    config.pbtxt        python backend, decoupled, inputs/outputs, parameters (bundle, env, limits)
+    1/model.py          the python-backend model (a copy of retrace/export/triton/model.py)
+    1/retrace/          a copy of the retrace package (the model imports it from here)
+    bundle/             the engine bundle (unless copy_bundle=False: then an absolute path is recorded)
+    retrace.json        what generated this repository and with which options
+
+The repository is written into a temporary directory beside ``out_repo`` and renamed into place, so a
+reader never sees half a repository; an existing ``out_repo`` is replaced only with ``force=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import retrace
+from retrace.export.triton.validation import INPUTS, OUTPUTS
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_TEMPLATE = Path(__file__).with_name("model.py")
+
+
+class RepositoryError(ValueError):
+    """The repository cannot be written as asked; the message says why."""
+
+
+def _q(s: str) -> str:
+    return json.dumps(str(s))  # protobuf text format accepts JSON-style escaped strings
+
+
+def render_config(
+    model_name: str,
+    *,
+    instances: int,
+    parameters: dict[str, str],
+) -> str:
+    """The config.pbtxt text: python backend, decoupled, no Triton-side batching (the model batches)."""
+    lines = [
+        f"name: {_q(model_name)}",
+        'backend: "python"',
+        "max_batch_size: 0",
+        "model_transaction_policy { decoupled: true }",
+        "input [",
+    ]
+    ins = []
+    for name, (dtype, optional) in INPUTS.items():
+        opt = " optional: true" if optional else ""
+        ins.append(f"  {{ name: {_q(name)} data_type: {dtype} dims: [ -1 ]{opt} }}")
+    lines.append(",\n".join(ins))
+    lines += ["]", "output ["]
+    lines.append(",\n".join(f"  {{ name: {_q(n)} data_type: {t} dims: [ -1 ] }}" for n, t in OUTPUTS.items()))
+    lines += ["]", f"instance_group [ {{ count: {int(instances)} kind: KIND_CPU }} ]"]
+    for key, value in parameters.items():
+        lines.append(f"parameters {{ key: {_q(key)} value: {{ string_value: {_q(value)} }} }}")
+    return "\n".join(lines) + "\n"
+
+
+def _ignore(_dir: str, names: list[str]) -> list[str]:
+    return [n for n in names if n == "__pycache__" or n.endswith((".pyc", ".pyo"))]
+
+
+def write_repository(
+    bundle_dir: str | os.PathLike[str],
+    out_repo: str | os.PathLike[str],
+    model_name: str = "retrace",
+    instances: int = 1,
+    max_batch: int = 8,
+    copy_bundle: bool = True,
+    env_path: str | os.PathLike[str] | None = None,
+    *,
+    backend: str = "onnxruntime",
+    max_tokens: int = 0,
+    modes: Sequence[str] = ("retrace", "dflash"),
+    vendor_package: bool = True,
+    runtime_factory: str | None = None,
+    runtime_options: dict[str, Any] | None = None,
+    pythonpath: Sequence[str | os.PathLike[str]] = (),
+    force: bool = False,
+) -> Path:
+    """Write the model repository for ``bundle_dir`` at ``out_repo`` and return its path.
+
+    ``env_path``: the python-backend execution environment (``EXECUTION_ENV_PATH``), e.g.
+    ``ensure_triton_env().model_env``; None leaves the model in the server's own Python (which then
+    needs numpy<2 and the runtime's packages). ``runtime_factory``/``runtime_options`` replace the real
+    runtime (tests only). ``vendor_package=False`` imports retrace from the environment or
+    ``pythonpath`` instead of a copy inside the repository.
+    """
+    bundle = Path(bundle_dir).absolute()
+    out = Path(out_repo).absolute()
+    if not (bundle / "manifest.json").is_file():
+        raise RepositoryError(f"{bundle} is not an engine bundle (no manifest.json)")
+    if not _NAME_RE.match(model_name):
+        raise RepositoryError(f"model name {model_name!r} must match {_NAME_RE.pattern}")
+    if instances < 1 or max_batch < 1:
+        raise RepositoryError(f"instances ({instances}) and max_batch ({max_batch}) must be >= 1")
+    if max_tokens < 0:
+        raise RepositoryError(f"max_tokens must be >= 0 (0: the bundle's limit), got {max_tokens}")
+    modes = [m.strip() for m in modes if m.strip()]
+    if not modes or any("," in m for m in modes):
+        raise RepositoryError(f"modes must be non-empty names without commas, got {modes}")
+    if env_path is not None:
+        env = Path(env_path).absolute()
+        if not (env / "bin" / "activate").is_file() and not str(env).endswith((".tar.gz", ".tgz")):
+            raise RepositoryError(f"execution environment {env} has no bin/activate (and is not a .tar.gz)")
+    if out.exists() and not force:
+        raise RepositoryError(f"{out} exists; pass force=True (--force) to replace it")
+    if out == bundle or out in bundle.parents:
+        raise RepositoryError(f"the repository {out} must not contain the bundle {bundle}")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model_dir = tmp / model_name
+        (model_dir / "1").mkdir(parents=True)
+        shutil.copy2(_TEMPLATE, model_dir / "1" / "model.py")
+        if vendor_package:
+            shutil.copytree(Path(retrace.__file__).parent, model_dir / "1" / "retrace", ignore=_ignore)
+        if copy_bundle:
+            shutil.copytree(bundle, model_dir / "bundle", ignore=_ignore)
+            bundle_param = "bundle"
+        else:
+            bundle_param = str(bundle)
+        params: dict[str, str] = {
+            "RETRACE_BUNDLE": bundle_param,
+            "RETRACE_BACKEND": backend,
+            "RETRACE_MAX_BATCH": str(int(max_batch)),
+            "RETRACE_MAX_TOKENS": str(int(max_tokens)),
+            "RETRACE_MODES": ",".join(modes),
+        }
+        if env_path is not None:
+            params["EXECUTION_ENV_PATH"] = str(Path(env_path).absolute())
+        if pythonpath:
+            params["RETRACE_PYTHONPATH"] = os.pathsep.join(str(Path(p).absolute()) for p in pythonpath)
+        if runtime_factory:
+            params["RETRACE_RUNTIME_FACTORY"] = runtime_factory
+            params["RETRACE_RUNTIME_OPTIONS"] = json.dumps(runtime_options or {})
+        (model_dir / "config.pbtxt").write_text(render_config(model_name, instances=instances, parameters=params))
+        meta = {
+            "generator": f"retrace {retrace.__version__}",
+            "bundle_source": str(bundle),
+            "copy_bundle": copy_bundle,
+            "instances": instances,
+            "max_batch": max_batch,
+            "parameters": params,
+        }
+        (model_dir / "retrace.json").write_text(json.dumps(meta, indent=1) + "\n")
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "repo")
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
