@@ -1,0 +1,41 @@
+# Two entry points for a fresh machine (see README): `make demo` and `make test`.
+# Each creates .venv and installs what it needs: the pinned CPU torch wheel first, then the package.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ZOO ?= zoo
+BUNDLE ?= bundles/tiny-small
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[onnx,triton,bench,dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Main job on the embedded default: build the tiny model pair (cached), compile an ONNX Runtime (CPU)
+# engine bundle, and generate with ReTrace from it.
+demo: $(STAMP)
+	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
+	$(BIN)/retrace-export build --target $(ZOO)/target --drafter $(ZOO)/drafter --out $(BUNDLE) --force
+	$(BIN)/retrace generate --engine $(BUNDLE) --prompt "def parse_args(argv):" --max-new-tokens 96 --mode retrace
+	$(BIN)/retrace eval --target $(ZOO)/target --drafter $(ZOO)/drafter --prompts $(ZOO)/prompts/code.jsonl --max-new-tokens 64 --limit 32
+
+lint: $(STAMP)
+	$(BIN)/ruff check retrace tests benchmarks
+
+test: $(STAMP)
+	$(BIN)/ruff check retrace tests benchmarks
+	$(BIN)/python -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
+	$(BIN)/retrace bench --target $(ZOO)/target --drafter $(ZOO)/drafter --prompts $(ZOO)/prompts/code.jsonl --json bench-out/bench.json --plot bench-out/bench.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
