@@ -16,6 +16,8 @@ identity, so a zero-initialised conditioner is exactly DFlash.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 OP_NAME = "GatedSuffixFusion"
@@ -49,6 +51,26 @@ def gated_suffix_fusion_reference(
     return x + valid.to(x.dtype).unsqueeze(-1) * gate * value
 
 
+@functools.cache
+def _cuda_impl():
+    """The CUDA implementation, resolved once: the Triton kernels if triton imports, else the reference."""
+    try:
+        import triton  # noqa: F401
+
+        from .triton_kernel import gated_suffix_fusion_triton
+    except ImportError:
+        return gated_suffix_fusion_reference
+    return gated_suffix_fusion_triton
+
+
 def gated_suffix_fusion(*args, **kwargs) -> torch.Tensor:
-    """Dispatch point used by the models: the reference on CPU; kernels hook in here (see plugins)."""
+    """Dispatch point used by the models: the Triton kernels for CUDA tensors when triton is installed
+    and no gradient is needed (the kernels have no backward), else the reference."""
+    x = args[0] if args else kwargs["x"]
+    if x.is_cuda and not (torch.is_grad_enabled() and _any_requires_grad(args, kwargs)):
+        return _cuda_impl()(*args, **kwargs)
     return gated_suffix_fusion_reference(*args, **kwargs)
+
+
+def _any_requires_grad(args, kwargs) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values()))

@@ -1,0 +1,48 @@
+"""Errors the plugins (and the engines built on them) raise on purpose.
+
+`RetraceMissingDependency` is what every optional backend raises when the package it needs is not
+installed, or cannot work on this machine. Its message is complete on its own (what is missing, the
+command that installs it, and the kind of machine it needs), so a CLI prints `str(err)` and exits
+with `err.exit_code` instead of showing a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+class RetraceMissingDependency(ImportError):
+    """An optional dependency is missing; the message says what to install and where."""
+
+    exit_code = 3
+
+    def __init__(self, feature: str, package: str, install: str, machine: str | None = None,
+                 detail: str | None = None):
+        self.feature = feature
+        self.package = package
+        self.install = install
+        self.machine = machine
+        msg = f"{feature} needs the Python package '{package}', which is not usable here. Install it with: {install}"
+        if machine:
+            msg += f" (on {machine})"
+        msg += "."
+        if detail:
+            msg += f" {detail}"
+        super().__init__(msg, name=package)
+
+
+TENSORRT_MACHINE = "a Linux machine with an NVIDIA GPU and a CUDA driver"
+
+
+def require_tensorrt(feature: str):
+    """Import and return `tensorrt`, or raise one clear RetraceMissingDependency."""
+    try:
+        trt = importlib.import_module("tensorrt")
+        # The PyPI name resolves to a stub on machines without NVIDIA's index: it imports but has no API.
+        trt.Builder  # noqa: B018
+    except Exception as err:  # ImportError, or the stub's AttributeError / its own RuntimeError
+        raise RetraceMissingDependency(
+            feature, "tensorrt", "pip install tensorrt", TENSORRT_MACHINE,
+            f"({type(err).__name__}: {err})",
+        ) from None
+    return trt
