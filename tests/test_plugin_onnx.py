@@ -39,7 +39,7 @@ def _activations(n=3, b=5, d=D, f=F, seed=1, nan_invalid=False):
 
 def _single_node_model(opset: int, elem=TensorProto.FLOAT, epsilon=1e-6, plugin_attrs=True):
     shapes = [["N", "B", D]] * 3 + [["N", "B", F], ["N", "B"], [D, 2 * D], [D, 2 * D + F], [D], [D], [D, D]]
-    node = of.make_node(of.INPUTS, ["out"], epsilon=epsilon, name="gsf")
+    node = of.make_node(of.INPUTS, ["out"], epsilon=epsilon, name="gsf", aot=True)
     if not plugin_attrs:
         keep = [a for a in node.attribute if a.name == "epsilon"]
         del node.attribute[:]
@@ -76,13 +76,13 @@ def test_function_proto_structure():
 
 
 def test_make_node_carries_tensorrt_plugin_attributes():
-    node = of.make_node(of.INPUTS, ["y"], epsilon=1e-5, name="fuse0")
+    node = of.make_node(of.INPUTS, ["y"], epsilon=1e-5, name="fuse0", aot=True)
     assert (node.op_type, node.domain, node.name) == ("GatedSuffixFusion", "retrace", "fuse0")
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert attrs == {"epsilon": pytest.approx(1e-5), "plugin_namespace": b"retrace", "plugin_version": b"1",
                      "aot": 1}
     assert {a.name: a.type for a in node.attribute}["epsilon"] == onnx.AttributeProto.FLOAT
-    jit = of.make_node(of.INPUTS, ["y"], aot=False)
+    jit = of.make_node(of.INPUTS, ["y"])  # default: the whole-op plugin is JIT only
     assert "aot" not in [a.name for a in jit.attribute]
     with pytest.raises(ValueError, match="10 inputs"):
         of.make_node(of.INPUTS[:-1], ["y"])
@@ -168,7 +168,8 @@ def test_torch_dynamo_export_runs_in_onnxruntime():
     assert list(node.input[:5]) == ["x", "memory", "correction", "features", "valid"]
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert attrs["epsilon"] == pytest.approx(1e-5)
-    assert (attrs["plugin_namespace"], attrs["plugin_version"], attrs["aot"]) == (b"retrace", b"1", 1)
+    assert (attrs["plugin_namespace"], attrs["plugin_version"]) == (b"retrace", b"1")
+    assert "aot" not in attrs
     of.attach_function(model)
     onnx.checker.check_model(model, full_check=True)
     args = _activations(n=3, b=5, seed=4)  # other sizes than the example: dims stayed dynamic

@@ -11,12 +11,15 @@ attribute `epsilon`), inputs in the reference's order:
 * TensorRT's ONNX parser maps a node it has no importer for to a plugin named by op_type, looked up
   with the node's string attributes `plugin_namespace` and `plugin_version` (the node's domain is
   ignored), and uses the plugin's AOT implementation (no Python at engine run time) when the node
-  carries `aot=1`. Since TensorRT 10.7 a registered plugin wins over a model-local function of the
-  same name; older parsers always inline the function (see `retrace.export.tensorrt`, which removes
-  the function before parsing when the plugin is wanted).
+  carries `aot=1`. The whole-op plugin `retrace::GatedSuffixFusion` is JIT only (an AOT plugin is
+  one kernel and this op is two launches), so exported nodes default to no `aot`; for Python-free
+  engines `retrace.export.tensorrt` splits each node into the AOT pair GatedSuffixRefine +
+  GatedSuffixFuse (both `aot=1`, see `tensorrt_plugin.py`). Since TensorRT 10.7 a registered
+  plugin wins over a model-local function of the same name; older parsers always inline the
+  function, so `retrace.export.tensorrt` removes it before parsing when the plugin is wanted.
 
-Those three attributes ride on the node next to `epsilon`. A function call node may carry
-attributes its FunctionProto does not declare: ONNX Runtime and onnx.checker ignore them (tested in
+Those attributes ride on the node next to `epsilon`. A function call node may carry attributes
+its FunctionProto does not declare: ONNX Runtime and onnx.checker ignore them (tested in
 tests/test_plugin_onnx.py), so one graph serves ORT and TensorRT unchanged.
 """
 
@@ -112,7 +115,7 @@ def function_proto(opset: int = 23) -> FunctionProto:
     return fn
 
 
-def node_attributes(epsilon: float = DEFAULT_EPSILON, aot: bool = True) -> dict:
+def node_attributes(epsilon: float = DEFAULT_EPSILON, aot: bool = False) -> dict:
     """Attributes of a GatedSuffixFusion node: the op's own `epsilon` plus TensorRT's plugin keys."""
     attrs = {"epsilon": float(epsilon), "plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION}
     if aot:
@@ -121,9 +124,10 @@ def node_attributes(epsilon: float = DEFAULT_EPSILON, aot: bool = True) -> dict:
 
 
 def make_node(inputs, outputs, epsilon: float = DEFAULT_EPSILON, name: str | None = None,
-              aot: bool = True) -> NodeProto:
-    """A retrace::GatedSuffixFusion node. `aot=1` asks TensorRT (>= 10.7 QDP) for the plugin's AOT
-    implementation (compiled Triton PTX embedded in the engine, no Python at run time)."""
+              aot: bool = False) -> NodeProto:
+    """A retrace::GatedSuffixFusion node. `aot=True` adds `aot=1`, which asks TensorRT (QDP, >= 10.8)
+    for a plugin's AOT implementation (compiled PTX embedded in the engine, no Python at run time);
+    the whole-op plugin has none, see the module docstring."""
     inputs, outputs = list(inputs), list(outputs)
     if len(inputs) != len(INPUTS) or len(outputs) != len(OUTPUTS):
         raise ValueError(f"GatedSuffixFusion takes {len(INPUTS)} inputs {INPUTS} and 1 output, "

@@ -10,7 +10,8 @@ Use it where the model applies the op:
 
 then, after export, `retrace.plugins.onnx_function.attach_function(model)` adds the op's body so
 ONNX Runtime can run the graph (and onnx.checker accepts it). The node carries `epsilon` and the
-TensorRT plugin keys (`plugin_namespace`, `plugin_version`, `aot`), see `onnx_function.py`.
+TensorRT plugin keys (`plugin_namespace`, `plugin_version`; `aot` on request), see
+`onnx_function.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def symbolic_gated_suffix_fusion(
     norm_weight: torch.Tensor,
     w_value: torch.Tensor,
     eps: float = DEFAULT_EPSILON,
-    aot: bool = True,
+    aot: bool = False,
 ) -> torch.Tensor:
     """The op as a single symbolic node: output dtype and shape are x's. Valid outside export too
     (returns an empty-valued placeholder tensor of the right shape), so call it only when exporting."""

@@ -1,0 +1,170 @@
+"""TensorRT plugin definitions, tested without TensorRT: the clear missing-dependency error, the
+tactic and type tables, the launch grid, and the registered descriptor / autotune / AOT functions
+driven through a minimal stand-in of `tensorrt.plugin` that records what `register()` defines. The
+AOT functions really run `triton.compile` (PTX for sm_90, no GPU needed)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+
+from retrace.plugins import tensorrt_plugin as tp
+from retrace.plugins import triton_kernel as tk
+from retrace.plugins.errors import RetraceMissingDependency
+
+
+def test_register_without_tensorrt_is_one_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
+    monkeypatch.setattr(tp, "_registered", False)
+    with pytest.raises(RetraceMissingDependency) as info:
+        tp.register()
+    msg = str(info.value)
+    assert "pip install tensorrt" in msg and "a Linux machine with an NVIDIA GPU" in msg
+    assert isinstance(info.value, ImportError) and info.value.__cause__ is None
+
+
+def test_register_with_a_stub_tensorrt_package(monkeypatch):
+    """PyPI's `tensorrt` without NVIDIA's index is a stub without the API: same clear error."""
+    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
+    monkeypatch.setattr(tp, "_registered", False)
+    with pytest.raises(RetraceMissingDependency, match="pip install tensorrt"):
+        tp.register()
+
+
+def test_autotune_type_strings():
+    assert tp.autotune_types(tp.FUSION) == ", ".join(["FP32|FP16|BF16"] * 11)
+    refine = [s.strip() for s in tp.autotune_types(tp.REFINE).split(",")]
+    assert refine == ["FP32|FP16|BF16"] * 3 + ["FP32"]  # memory, correction, w_refine -> fp32 refined
+    fuse = [s.strip() for s in tp.autotune_types(tp.FUSE).split(",")]
+    assert len(fuse) == 9 and fuse[1] == "FP32" and fuse.count("FP32|FP16|BF16") == 8
+    # TensorRT's rule for dependent ('|') variants: every multi-option entry has the same length
+    for plugin in (tp.FUSION, tp.REFINE, tp.FUSE):
+        lengths = {len(s.split("|")) for s in tp.autotune_types(plugin).split(",")} - {1}
+        assert lengths == {3}
+
+
+def test_tactics_are_the_tile_table():
+    assert tp.tactics(tp.REFINE) == tp.tactics(tp.FUSE) == [1, 2, 3, 4]
+    assert all(tk.TILE_BY_TACTIC[t].tactic == t for t in tp.tactics(tp.FUSE))
+    assert tp.tactics(tp.FUSION) == []
+
+
+def test_launch_grid():
+    t = tk.Tile(7, 16, 64, 32)
+    assert tp.launch_grid(10, 24, t) == (1, 1)
+    assert tp.launch_grid(16 * 8, 4096, t) == (8, 64)
+    assert tp.launch_grid(17, 65, t) == (2, 2)
+
+
+# ---- a minimal recording stand-in for tensorrt / tensorrt.plugin ----
+
+
+class _Shape(list):
+    def numel(self):
+        return math.prod(self)
+
+
+class _Desc:
+    def __init__(self, shape, dtype):
+        self.shape_expr = _Shape(shape)
+        self.dtype = dtype
+
+    @property
+    def ndim(self):
+        return len(self.shape_expr)
+
+    def like(self):
+        return _Desc(list(self.shape_expr), self.dtype)
+
+
+class _Launch:
+    pass
+
+
+def _fake_tensorrt():
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.13.0"
+    trt.Builder = object
+    trt.float32, trt.float16, trt.bfloat16 = "FLOAT", "HALF", "BF16"
+    trtp = types.ModuleType("tensorrt.plugin")
+    trtp.defined = {}
+
+    def recorder(kind):
+        def deco_factory(plugin_id):
+            def deco(fn):
+                trtp.defined[(kind, plugin_id)] = fn
+                return fn
+            return deco
+        return deco_factory
+
+    for kind in ("register", "autotune", "impl", "aot_impl"):
+        setattr(trtp, kind, recorder(kind))
+    trtp.TensorDesc = _Desc
+    trtp.from_shape_expr = lambda shape, dtype: _Desc(list(shape), dtype)
+    trtp.cdiv = lambda a, b: -(-a // b)
+    trtp.KernelLaunchParams = _Launch
+    trtp.SymInt32 = lambda v: ("i32", v)
+    trtp.SymIntExprs = types.SimpleNamespace(from_tuple=list)
+    trtp.AutoTuneCombination = lambda types_, layouts, tactics: (types_, layouts, tactics)
+    trt.plugin = trtp
+    return trt, trtp
+
+
+@pytest.fixture
+def fake_trt(monkeypatch):
+    trt, trtp = _fake_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.setattr(tp, "_registered", False)
+    monkeypatch.setenv(tp.TARGET_ENV, "cuda:90")
+    tp.register()
+    tp.register()  # idempotent
+    return trt, trtp
+
+
+def test_registered_definitions(fake_trt):
+    trt, trtp = fake_trt
+    kinds = {(k, p) for k, p in trtp.defined}
+    assert kinds == {("register", tp.FUSION), ("autotune", tp.FUSION), ("impl", tp.FUSION),
+                     ("register", tp.REFINE), ("autotune", tp.REFINE), ("aot_impl", tp.REFINE),
+                     ("register", tp.FUSE), ("autotune", tp.FUSE), ("aot_impl", tp.FUSE)}
+    n, b, d, f = 2, 16, 64, 3
+    x = _Desc([n, b, d], trt.float16)
+    w = _Desc([d, d], trt.float16)
+    out = trtp.defined[("register", tp.FUSION)](x, x, x, _Desc([n, b, f], trt.float16), _Desc([n, b], trt.float16),
+                                                w, w, w, w, w, 1e-6)
+    assert (list(out.shape_expr), out.dtype) == ([n, b, d], trt.float16)
+    refined = trtp.defined[("register", tp.REFINE)](x, x, w)
+    assert (list(refined.shape_expr), refined.dtype) == ([n, b, d], trt.float32)
+    combos = trtp.defined[("autotune", tp.FUSE)](*[x] * 8, (x,))
+    assert combos == [(tp.autotune_types(tp.FUSE), "LINEAR", [1, 2, 3, 4])]
+    assert trtp.defined[("autotune", tp.FUSION)](*[x] * 10, (x,)) == [(tp.autotune_types(tp.FUSION), "LINEAR", None)]
+
+
+@pytest.mark.parametrize("dtype_attr,tactic", [("float16", 1), ("float32", 3)])
+def test_aot_impls_compile_triton_to_ptx(fake_trt, dtype_attr, tactic):
+    trt, trtp = fake_trt
+    dt = getattr(trt, dtype_attr)
+    n, b, d, f = 2, 16, 96, 3
+    x, feats, valid = _Desc([n, b, d], dt), _Desc([n, b, f], dt), _Desc([n, b], dt)
+    tile = tk.TILE_BY_TACTIC[tactic]
+    grid = (-(-n * b // tile.block_m), -(-d // tile.block_n))
+
+    name, ptx, launch, extra = trtp.defined[("aot_impl", tp.REFINE)](x, x, _Desc([d, 2 * d], dt),
+                                                                      (x,), tactic)
+    assert name == "gsf_refine_kernel" and f".entry {name}(" in ptx and ".target sm_90" in ptx
+    assert (launch.grid_x, launch.grid_y, launch.block_x) == (*grid, tile.num_warps * 32)
+    assert 0 < launch.shared_mem <= tk.SHARED_MEM_LIMIT
+    assert extra == [("i32", n * b), ("i32", d)]  # n_rows, d: after the inputs, before the output
+
+    name, ptx, launch, extra = trtp.defined[("aot_impl", tp.FUSE)](
+        x, _Desc([n, b, d], trt.float32), feats, valid, _Desc([d, 2 * d + f], dt), _Desc([d], dt),
+        _Desc([d], dt), _Desc([d, d], dt), 1e-6, (x,), tactic)
+    assert name == "gsf_fuse_kernel" and f".entry {name}(" in ptx
+    assert (launch.grid_x, launch.grid_y) == grid
+    assert extra == [("i32", n * b), ("i32", d), ("i32", f)]
+    key = ("fuse", {"FLOAT": "FP32", "HALF": "FP16"}[dt], tactic, 1e-6, "cuda:90")
+    assert tp.compiled(*key).ptx == ptx  # cached: several nodes of one engine share a compile
