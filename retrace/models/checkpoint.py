@@ -16,13 +16,19 @@ from safetensors.torch import load_file, save_file
 from retrace.errors import CheckpointError
 
 
-def weight_files(directory: Path) -> list[Path]:
-    files = sorted(directory.glob("*.safetensors"))
+def weight_files(directory: Path, exclude: tuple[str, ...] = (), what: str = "") -> list[Path]:
+    """The directory's *.safetensors files (minus `exclude` names); an error naming any pickles found."""
+    files = [p for p in sorted(directory.glob("*.safetensors")) if p.name not in exclude]
     if not files:
-        bins = sorted(p.name for p in directory.glob("*.bin"))
+        bins = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
         hint = f" (found {bins}: pickle checkpoints are not loaded; convert them to safetensors)" if bins else ""
-        raise CheckpointError(f"{directory}: no .safetensors weight files{hint}")
+        raise CheckpointError(f"{directory}: no {what}.safetensors weight files{hint}")
     return files
+
+
+def weights_location(directory: Path, files: list[Path]) -> Path:
+    """What to name in a message about these weights: the file itself, or the directory if sharded."""
+    return files[0] if len(files) == 1 else directory
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -40,8 +46,13 @@ def read_dir_tensors(directory: Path, files: list[Path] | None = None) -> dict[s
 
 
 def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: Path,
-              optional: tuple[str, ...] = (), ignore_prefixes: tuple[str, ...] = ()) -> None:
-    """Copy tensors into module parameters by name, checking names and shapes first."""
+              optional: tuple[str, ...] = (), ignore_prefixes: tuple[str, ...] = (),
+              config_path: Path | None = None) -> None:
+    """Copy tensors into module parameters by name, checking names and shapes first.
+
+    `where` (the weight file) and `config_path` (the config the expected shapes come from) are named in the
+    one error message that lists every missing, unexpected and mis-shaped tensor.
+    """
     expected = dict(module.state_dict())
     tensors = {k: v for k, v in tensors.items() if not k.startswith(ignore_prefixes)}
     missing = [k for k in expected if k not in tensors and k not in optional]
@@ -59,7 +70,8 @@ def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: 
     if shapes:
         problems.append("shape mismatch " + "; ".join(shapes[:8]))
     if problems:
-        raise CheckpointError(f"{where}: weights do not match the config: " + "; ".join(problems))
+        against = f"the config ({config_path})" if config_path is not None else "the config"
+        raise CheckpointError(f"{where}: weights do not match {against}: " + "; ".join(problems))
     with torch.no_grad():
         for k, t in expected.items():
             if k in tensors:

@@ -57,6 +57,13 @@ class ReTraceConditioner(nn.Module):
                 self.gate.bias.fill_(0.0)
 
     def forward(self, x, memory, correction, features, valid) -> torch.Tensor:
+        if torch.onnx.is_in_onnx_export():  # one retrace::GatedSuffixFusion node (body attached after export)
+            from retrace.plugins.onnx_symbolic import symbolic_gated_suffix_fusion
+
+            return symbolic_gated_suffix_fusion(
+                x, memory, correction, features, valid,
+                self.refine.weight, self.gate.weight, self.gate.bias, self.value_norm, self.value.weight, eps=self.eps,
+            )
         return gated_suffix_fusion(
             x, memory, correction, features, valid,
             self.refine.weight, self.gate.weight, self.gate.bias, self.value_norm, self.value.weight, eps=self.eps,
@@ -108,5 +115,5 @@ class ReTraceConditioner(nn.Module):
                     float(cfg.get("rms_norm_eps", 1e-6)))
         if not (d / WEIGHTS_NAME).is_file():
             raise CheckpointError(f"{d / WEIGHTS_NAME}: file not found (but {CONFIG_NAME} is present)")
-        load_into(model, read_tensors(d / WEIGHTS_NAME), d / WEIGHTS_NAME)
+        load_into(model, read_tensors(d / WEIGHTS_NAME), d / WEIGHTS_NAME, config_path=d / CONFIG_NAME)
         return model

@@ -8,6 +8,7 @@ Both RoPE forms are read: transformers 4.x writes `rope_theta` at the top level,
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,9 +19,21 @@ def read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg
+
+
+@contextmanager
+def _bad_values(path: Path):
+    """Turn int()/float()/.get() failures on malformed config values into one CheckpointError naming the file."""
+    try:
+        yield
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: invalid value in config ({type(e).__name__}: {e})") from None
 
 
 def _require(cfg: dict, keys: list[str], path: Path) -> None:
@@ -156,7 +169,8 @@ class Qwen3Config:
             raise CheckpointError(f"{d}: target directory not found")
         gen_path = d / "generation_config.json"
         generation = read_json(gen_path) if gen_path.is_file() else None
-        return cls.from_dict(read_json(d / "config.json"), d / "config.json", generation)
+        with _bad_values(d / "config.json"):
+            return cls.from_dict(read_json(d / "config.json"), d / "config.json", generation)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -222,7 +236,8 @@ class DrafterConfig:
         d = Path(directory)
         if not d.is_dir():
             raise CheckpointError(f"{d}: drafter directory not found")
-        return cls.from_dict(read_json(d / "config.json"), d / "config.json")
+        with _bad_values(d / "config.json"):
+            return cls.from_dict(read_json(d / "config.json"), d / "config.json")
 
     def check_fits(self, target: Qwen3Config, where: Path) -> None:
         """Every way a drafter can fail to fit its target, as one clear message."""

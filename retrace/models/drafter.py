@@ -16,10 +16,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from retrace.errors import CheckpointError
-from retrace.models.checkpoint import atomic_save_tensors, atomic_write_text, load_into, read_dir_tensors
+from retrace.models.checkpoint import (
+    atomic_save_tensors,
+    atomic_write_text,
+    load_into,
+    read_dir_tensors,
+    weight_files,
+    weights_location,
+)
 from retrace.models.conditioner import ReTraceConditioner
-from retrace.models.config import DrafterConfig, read_json
+from retrace.models.config import DrafterConfig, Qwen3Config, read_json
 from retrace.models.layers import DecoderLayer, RMSNorm, past_mask, rope_cos_sin
 from retrace.models.target import Qwen3Target
 
@@ -66,7 +72,8 @@ class DFlashDrafter(nn.Module):
         config = DrafterConfig.from_dir(d)
         config.check_fits(target.config, d / "config.json")
         model = cls(config, target)
-        load_into(model, _drafter_only_tensors(d), d)
+        files = _drafter_files(d)
+        load_into(model, read_dir_tensors(d, files), weights_location(d, files), config_path=d / "config.json")
         if load_conditioner and ReTraceConditioner.exists(d):
             model.conditioner = ReTraceConditioner.from_dir(d, config.hidden_size)
         model.directory = d
@@ -130,11 +137,9 @@ class DFlashDrafter(nn.Module):
                 [torch.zeros(shape, dtype=dtype) for _ in range(c.num_hidden_layers)])
 
 
-def _drafter_only_tensors(d: Path) -> dict[str, torch.Tensor]:
-    files = [f for f in sorted(d.glob("*.safetensors")) if f.name != "retrace.safetensors"]
-    if not files:
-        raise CheckpointError(f"{d}: no drafter .safetensors weight files")
-    return read_dir_tensors(d, files)
+def _drafter_files(d: Path) -> list[Path]:
+    """The drafter's own weight files (the conditioner's retrace.safetensors lives beside them)."""
+    return weight_files(d, exclude=("retrace.safetensors",), what="drafter ")
 
 
 def new_drafter_config(target: Qwen3Target, num_layers: int = 1, block_size: int = 16,
@@ -170,7 +175,10 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype: tor
     """Load a target with the taps its drafter needs, and the drafter (with its conditioner if present)."""
     taps: tuple[int, ...] = ()
     if drafter_dir is not None:
-        taps = DrafterConfig.from_dir(drafter_dir).target_layer_ids
+        dcfg = DrafterConfig.from_dir(drafter_dir)
+        # Check the pair before reading any weights: the message then names the drafter's config.
+        dcfg.check_fits(Qwen3Config.from_dir(target_dir), Path(drafter_dir) / "config.json")
+        taps = dcfg.target_layer_ids
     target = Qwen3Target.from_pretrained(target_dir, tap_layers=taps, dtype=dtype)
     drafter = None
     if drafter_dir is not None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from retrace.errors import CheckpointError
-from retrace.models.checkpoint import load_into, read_dir_tensors
+from retrace.models.checkpoint import load_into, read_dir_tensors, weight_files, weights_location
 from retrace.models.config import Qwen3Config
 from retrace.models.layers import DecoderLayer, RMSNorm, past_mask, rope_cos_sin
 
@@ -44,19 +44,25 @@ class Qwen3Target(nn.Module):
                         dtype: torch.dtype = torch.float32) -> Qwen3Target:
         d = Path(directory)
         config = Qwen3Config.from_dir(d)
+        bad = [i for i in tap_layers if not 0 <= int(i) < config.num_hidden_layers]
+        if bad:
+            raise CheckpointError(f"{d}: tap layers {bad} do not exist in a {config.num_hidden_layers}-layer target")
         with torch.device("meta"):
             model = cls(config, tap_layers)
         model = model.to_empty(device="cpu")
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        tensors = read_dir_tensors(d)
+        files = weight_files(d)
+        tensors = read_dir_tensors(d, files)
         # Tied checkpoints may or may not carry lm_head.weight; an untied one must.
         optional = ("lm_head.weight",) if config.tie_word_embeddings else ()
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         if config.tie_word_embeddings is False and "lm_head.weight" not in tensors:
-            raise CheckpointError(f"{d}: tie_word_embeddings is false but lm_head.weight is missing")
-        load_into(model, tensors, d, optional=optional)
+            raise CheckpointError(
+                f"{weights_location(d, files)}: tie_word_embeddings is false in {d / 'config.json'} "
+                "but lm_head.weight is missing")
+        load_into(model, tensors, weights_location(d, files), optional=optional, config_path=d / "config.json")
         model.directory = d
         return model.to(dtype).eval().requires_grad_(False)
 

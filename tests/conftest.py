@@ -1,0 +1,61 @@
+"""Shared fixtures. Keep this small and generic; builders live in tests/helpers.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from helpers import TinyPair, write_drafter, write_target
+
+
+@pytest.fixture
+def tiny_pair(tmp_path):
+    """Factory: `tiny_pair(**kw) -> TinyPair`, a new random target + drafter under this test's tmp_path.
+
+    Each call writes new directories (safe to modify or corrupt). Keyword arguments (all optional):
+
+    Target (transformers Qwen3ForCausalLM.save_pretrained):
+      vocab=128, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=None (hidden // heads),
+      intermediate=96, tie=False (tie_word_embeddings), rope_theta=10000.0,
+      rope_form="rope_parameters" (transformers 5 form) or "rope_theta" (4.x top-level form),
+      max_pos=512, eos_token_id=None, seed=0.
+    Drafter (z-lab format, sizes follow the target):
+      draft_layers=1, block_size=8, target_layer_ids=None (omitted from config: z-lab default,
+      n // 2 for one drafter layer), mask_token_id=None (vocab - 1), draft_intermediate=None
+      (target's), draft_rope_form="rope_theta", conditioner=None | "zero" | "random", draft_seed=1,
+      draft_overrides=None (dict applied to the drafter's config.json last).
+    For drafters that do not fit their target, call helpers.write_drafter directly.
+    """
+    counter = itertools.count()
+
+    def make(
+        *,
+        draft_layers: int = 1,
+        block_size: int = 8,
+        target_layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        draft_intermediate: int | None = None,
+        draft_rope_form: str = "rope_theta",
+        conditioner: str | None = None,
+        draft_seed: int = 1,
+        draft_overrides: dict | None = None,
+        **target_kw,
+    ) -> TinyPair:
+        root = tmp_path / f"pair{next(counter)}"
+        target_dir = write_target(root / "target", **target_kw)
+        drafter_dir = write_drafter(
+            root / "drafter",
+            target_dir,
+            layers=draft_layers,
+            block_size=block_size,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            intermediate=draft_intermediate,
+            rope_form=draft_rope_form,
+            conditioner=conditioner,
+            seed=draft_seed,
+            config_overrides=draft_overrides,
+        )
+        return TinyPair(target_dir, drafter_dir)
+
+    return make
