@@ -40,7 +40,7 @@ def _log(msg):
 
 
 def _error(message, kind="invalid"):
-    code_name = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE"}.get(kind, "INTERNAL")
+    code_name = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "cancelled": "CANCELLED"}.get(kind, "INTERNAL")
     code = getattr(pb_utils.TritonError, code_name, None)
     err = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
     return pb_utils.InferenceResponse(output_tensors=[], error=err)
@@ -101,14 +101,18 @@ class TritonPythonModel:
             options=options,
         )
         adapter = serving.RuntimeAdapter(runtime)
+        max_batch = min(max_batch, adapter.max_batch or max_batch)
         blim = serving.bundle_limits(manifest)
+        # Token budget per request: prompt + max_tokens must fit the caches with room for a last draft block.
         max_seq_len = adapter.max_seq_len or blim["max_seq_len"]
+        budget = max_seq_len - adapter.reserve if max_seq_len else None
         max_tokens = int(params.get("RETRACE_MAX_TOKENS") or 0) or blim["max_new_tokens"]
         if not max_tokens:
-            max_tokens = max_seq_len - 1 if max_seq_len else 4096
-        modes = tuple(m.strip() for m in (params.get("RETRACE_MODES") or "retrace,dflash").split(",") if m.strip())
-        self.limits = Limits(max_tokens=max_tokens, max_seq_len=max_seq_len,
-                             vocab_size=adapter.vocab_size or blim["vocab_size"], modes=modes, default_mode=modes[0])
+            max_tokens = budget - 1 if budget else 4096
+        modes = [m.strip() for m in (params.get("RETRACE_MODES") or "retrace,dflash,ar").split(",") if m.strip()]
+        self.limits = Limits(max_tokens=max_tokens, max_seq_len=budget,
+                             vocab_size=adapter.vocab_size or blim["vocab_size"], modes=tuple(modes),
+                             default_mode=modes[0])
         self.loop = serving.ServingLoop(adapter, self.limits, max_batch=max_batch, log=_log)
         self.loop.start()
         _log(f"{args['model_name']} ({args['model_instance_name']}) serving {bundle} with "

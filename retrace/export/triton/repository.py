@@ -80,7 +80,7 @@ def write_repository(
     *,
     backend: str = "onnxruntime",
     max_tokens: int = 0,
-    modes: Sequence[str] = ("retrace", "dflash"),
+    modes: Sequence[str] = ("retrace", "dflash", "ar"),
     vendor_package: bool = True,
     runtime_factory: str | None = None,
     runtime_options: dict[str, Any] | None = None,

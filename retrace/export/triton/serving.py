@@ -8,18 +8,16 @@ all of them together, sends each request's newly committed tokens, drops request
 so the server can exit.
 
 RUNTIME INTEGRATION POINT: :func:`create_runtime` is the one place where the runtime is created, and
-:class:`RuntimeAdapter` the one place that calls it. The calls follow ``docs/INTERFACES.md``::
+:class:`RuntimeAdapter` the one place that calls it (``retrace.runtime``, see docs/INTERFACES.md)::
 
-    rt = retrace.runtime.Runtime.from_bundle(bundle_dir, backend="onnxruntime", max_batch=N)
-    sched = rt.scheduler(mode)                     # one per mode, created on first use
-    rid = sched.add(prompt_ids_or_text, retrace.runtime.SamplingParams(max_new_tokens, temperature,
-                                                                        top_p, top_k, seed, stop=[...]))
-    for ev in sched.step():                        # one round for every active request
-        ev.request_id, ev.token_ids (committed this round), ev.finished, ev.stats (dict)
-    sched.cancel(rid)                              # client hung up: free the slot
-    rt.tokenizer.encode(text) / .decode(ids)       # optional; used for prompt checks and detokenization
-
-Events may be objects or dicts; ``finish_reason`` and ``text`` are used when present.
+    rt = Runtime.from_bundle(bundle_dir, backend="onnxruntime", max_batch=N)
+    sched = rt.scheduler()                         # long-lived; requests join/leave between rounds
+    req = sched.add(prompt_ids, SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, stop), mode)
+    for ev in sched.step():                        # one round for every running request
+        ev.request, ev.token_ids (committed this round), ev.text (visible text delta), ev.finished
+    req.result()["stats"], req.finish_reason       # tau, rounds, accepted_hist, ...
+    sched.cancel(req)                              # client hung up: frees the slot and suffix memory
+    rt.codec.encode(text) / .decode(ids)           # None when the bundle has no tokenizer.json
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import math
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -105,73 +103,84 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
+def _int_or_none(v: Any) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 class RuntimeAdapter:
-    """Every call into the runtime goes through here (see the module docstring for the expected API)."""
+    """Every call into the runtime goes through here (see the module docstring for the API it uses)."""
 
     def __init__(self, runtime: Any) -> None:
         self.rt = runtime
-        self._scheds: dict[str, Any] = {}
-        tok = getattr(runtime, "tokenizer", None)
-        self.tokenizer = tok if tok is not None and hasattr(tok, "encode") and hasattr(tok, "decode") else None
+        self.backend = getattr(runtime, "backend", None)
+        codec = getattr(runtime, "codec", None)
+        self.codec = codec if codec is not None and hasattr(codec, "encode") and hasattr(codec, "decode") else None
         params_cls = getattr(runtime, "SamplingParams", None)
         if params_cls is None:
             from retrace.runtime import SamplingParams as params_cls  # noqa: N813
         self._params_cls = params_cls
+        self._sched: Any = None
+
+    @property
+    def sched(self) -> Any:
+        if self._sched is None:
+            self._sched = self.rt.scheduler()
+        return self._sched
 
     # limits the runtime knows better than the manifest
     @property
+    def max_batch(self) -> int | None:
+        return _int_or_none(getattr(self.backend, "max_batch", None))
+
+    @property
     def max_seq_len(self) -> int | None:
-        v = getattr(self.rt, "max_seq_len", None)
-        return int(v) if isinstance(v, int) else None
+        return _int_or_none(getattr(self.backend, "max_seq_len", None))
+
+    @property
+    def reserve(self) -> int:
+        """Positions a request needs beyond prompt + max_tokens (the last draft block + its anchor)."""
+        bs = _int_or_none(getattr(self.sched, "block_size", None))
+        return bs + 1 if bs else 0
 
     @property
     def vocab_size(self) -> int | None:
-        v = getattr(self.rt, "vocab_size", None)
-        if v is None:
-            v = getattr(getattr(self.rt, "target_config", None), "vocab_size", None)
-        return int(v) if isinstance(v, int) else None
+        return _int_or_none(getattr(getattr(self.backend, "target_config", None), "vocab_size", None))
+
+    @property
+    def max_batch_seen(self) -> int | None:
+        return _int_or_none(getattr(self._sched, "max_batch_seen", None))
 
     def encode(self, text: str) -> list[int] | None:
-        if self.tokenizer is None:
-            return None
-        ids = self.tokenizer.encode(text)
-        return list(getattr(ids, "ids", ids))
+        return None if self.codec is None else [int(t) for t in self.codec.encode(text)]
 
-    def decode(self, ids: list[int]) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(ids)
+    def add(self, prompt_ids: list[int], spec: RequestSpec) -> Any:
+        return self.sched.add(prompt_ids, self._params_cls(**spec.sampling_kwargs()), spec.mode)
 
-    def scheduler(self, mode: str) -> Any:
-        if mode not in self._scheds:
-            self._scheds[mode] = self.rt.scheduler(mode)
-        return self._scheds[mode]
+    def key(self, handle: Any) -> Any:
+        return _get(handle, "rid", handle)
 
-    def drop_scheduler(self, mode: str) -> None:
-        self._scheds.pop(mode, None)
+    def step(self) -> list[Any]:
+        return list(self.sched.step() or ())
 
-    def add(self, mode: str, prompt: str | list[int], spec: RequestSpec) -> Any:
-        return self.scheduler(mode).add(prompt, self._params_cls(**spec.sampling_kwargs()))
+    def event_key(self, ev: Any) -> Any:
+        return self.key(_get(ev, "request"))
 
-    def step(self, mode: str) -> Iterable[Any]:
-        return self.scheduler(mode).step() or ()
+    def request_stats(self, handle: Any) -> dict[str, Any]:
+        result = getattr(handle, "result", None)
+        stats = dict(result().get("stats") or {}) if callable(result) else {}
+        reason = _get(handle, "finish_reason")
+        if reason is not None:
+            stats["finish_reason"] = reason
+        return stats
 
-    def cancel(self, mode: str, rid: Any) -> None:
-        sched = self._scheds.get(mode)
-        if sched is None:
-            return
-        for name in ("cancel", "remove", "release"):
-            fn = getattr(sched, name, None)
-            if fn is not None:
-                fn(rid)
-                return
+    def cancel(self, handle: Any) -> None:
+        if self._sched is not None:
+            self._sched.cancel(handle)
 
     def close(self) -> None:
-        for fn_name in ("close", "shutdown"):
-            fn = getattr(self.rt, fn_name, None)
-            if callable(fn):
-                fn()
-                return
+        fn = getattr(self.rt, "close", None)
+        if callable(fn):
+            fn()
 
 
 # ------------------------------------------------------------------------------------------------ loop
@@ -181,7 +190,7 @@ class Sink(Protocol):
     def send(self, token_ids: list[int], text: str, stats: dict[str, Any] | None, final: bool) -> None: ...
 
     def error(self, message: str, kind: str = "internal") -> None:
-        """``kind``: "invalid" (bad request), "unavailable" (shutting down) or "internal"."""
+        """Final error response; ``kind``: invalid (bad request), unavailable (shutting down), cancelled, internal."""
 
     def is_cancelled(self) -> bool: ...
 
@@ -190,11 +199,10 @@ class Sink(Protocol):
 class Job:
     spec: RequestSpec
     sink: Sink
-    prompt: str | list[int] | None = None
-    prompt_len: int | None = None
-    rid: Any = None
+    prompt_ids: list[int] | None = None
+    handle: Any = None  # the runtime's request object
     ids: list[int] = dataclasses.field(default_factory=list)
-    text_sent: str = ""
+    text: str = ""  # text delivered (stream) or gathered (non-stream) so far
     unsent_ids: list[int] = dataclasses.field(default_factory=list)
     batch_hist: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     t_submit: float = dataclasses.field(default_factory=time.monotonic)
@@ -221,10 +229,10 @@ class ServingLoop:
         self._cv = threading.Condition()
         self._incoming: collections.deque[Job] = collections.deque()
         self._pending: collections.deque[Job] = collections.deque()
-        self._active: dict[tuple[str, Any], Job] = {}
+        self._active: dict[Any, Job] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
-        # counters (read by tests / logs)
+        # counters (logged at shutdown, read by tests)
         self.max_batch_seen = 0
         self.rounds = 0
         self.completed = 0
@@ -253,9 +261,9 @@ class ServingLoop:
             if self._thread.is_alive():
                 self.log(f"serving loop did not stop within {timeout} s; failing outstanding requests")
                 self._fail_all("the model is shutting down", "unavailable")
-        self.adapter.close()
+        self._safe(self.adapter.close)
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, Any]:
         return {"max_batch_seen": self.max_batch_seen, "rounds": self.rounds, "completed": self.completed,
                 "cancelled": self.cancelled, "failed": self.failed, "active": len(self._active),
                 "pending": len(self._pending) + len(self._incoming)}
@@ -273,12 +281,8 @@ class ServingLoop:
                     self._incoming.clear()
                 self._drop_cancelled()
                 self._admit()
-                if not self._active:
-                    if self._pending:  # nothing admitted although requests wait: back off briefly
-                        time.sleep(self.idle_wait_s)
-                    continue
-                for mode in sorted({m for m, _ in self._active}):
-                    self._round(mode)
+                if self._active:
+                    self._round()
         except Exception:  # never leave clients hanging on a loop bug
             self.log("serving loop crashed:\n" + traceback.format_exc())
         finally:
@@ -289,8 +293,8 @@ class ServingLoop:
             jobs = list(self._incoming) + list(self._pending)
             self._incoming.clear()
             self._pending.clear()
-        for (mode, rid), job in list(self._active.items()):
-            self._safe(lambda m=mode, r=rid: self.adapter.cancel(m, r))
+        for job in list(self._active.values()):
+            self._safe(lambda j=job: self.adapter.cancel(j.handle))
             jobs.append(job)
         self._active.clear()
         for job in jobs:
@@ -312,9 +316,10 @@ class ServingLoop:
 
     def _drop_cancelled(self) -> None:
         if self._pending:
-            keep = collections.deque()
+            keep: collections.deque[Job] = collections.deque()
             for job in self._pending:
                 if self._cancelled(job):
+                    self._safe(lambda j=job: j.sink.error("the request was cancelled", "cancelled"))
                     self.cancelled += 1
                 else:
                     keep.append(job)
@@ -323,33 +328,35 @@ class ServingLoop:
             if self._cancelled(job):
                 self._release(key, cancelled=True)
 
-    def _release(self, key: tuple[str, Any], cancelled: bool) -> None:
+    def _release(self, key: Any, cancelled: bool) -> None:
         job = self._active.pop(key, None)
         if job is None:
             return
-        self._safe(lambda: self.adapter.cancel(*key))
+        self._safe(lambda: self.adapter.cancel(job.handle))
         if cancelled:
+            # Close the request with a FINAL response: Triton counts it as in flight until then (and would
+            # not shut down cleanly); the client is gone, so nobody sees this error.
+            self._safe(lambda: job.sink.error("the request was cancelled", "cancelled"))
             self.cancelled += 1
-            self.log(f"request {key[1]} cancelled by the client after {len(job.ids)} tokens; slot freed")
+            self.log(f"request {key} cancelled by the client after {len(job.ids)} tokens; slot freed")
 
     def _prepare(self, job: Job) -> str | None:
-        """Tokenize a text prompt where the runtime has a tokenizer; return an error message or None."""
+        """Tokenize a text prompt and check its length; return an error message or None."""
         spec = job.spec
         if spec.prompt_ids is not None:
-            job.prompt, job.prompt_len = list(spec.prompt_ids), len(spec.prompt_ids)
+            job.prompt_ids = list(spec.prompt_ids)
         else:
             assert spec.prompt_text is not None
             ids = self.adapter.encode(spec.prompt_text)
             if ids is None:
-                job.prompt = spec.prompt_text
-            else:
-                if not ids:
-                    return "input 'text_input' tokenizes to an empty prompt"
-                job.prompt, job.prompt_len = ids, len(ids)
+                return "this model has no tokenizer: send token ids in 'input_ids' instead of 'text_input'"
+            if not ids:
+                return "input 'text_input' tokenizes to an empty prompt"
+            job.prompt_ids = ids
         msl = self.limits.max_seq_len
-        if msl is not None and job.prompt_len is not None and job.prompt_len + spec.max_tokens > msl:
-            return (f"prompt ({job.prompt_len} tokens) + 'max_tokens' ({spec.max_tokens}) exceeds the maximum "
-                    f"sequence length {msl}")
+        if msl is not None and len(job.prompt_ids) + spec.max_tokens > msl:
+            return (f"prompt ({len(job.prompt_ids)} tokens) + 'max_tokens' ({spec.max_tokens}) exceeds the "
+                    f"model's token budget of {msl} per request")
         return None
 
     def _admit(self) -> None:
@@ -358,89 +365,74 @@ class ServingLoop:
             problem = self._prepare(job)
             if problem is None:
                 try:
-                    assert job.prompt is not None
-                    job.rid = self.adapter.add(job.spec.mode, job.prompt, job.spec)
+                    assert job.prompt_ids is not None
+                    job.handle = self.adapter.add(job.prompt_ids, job.spec)
                 except Exception as e:
-                    problem = f"the runtime rejected the request: {type(e).__name__}: {e}"
+                    problem = f"the runtime rejected the request: {e}"
             if problem is not None:
                 self.failed += 1
                 self._safe(lambda j=job, p=problem: j.sink.error(p, "invalid"))
                 continue
-            self._active[(job.spec.mode, job.rid)] = job
+            self._active[self.adapter.key(job.handle)] = job
 
-    def _round(self, mode: str) -> None:
-        members = {rid: job for (m, rid), job in self._active.items() if m == mode}
-        if not members:
-            return
-        n = len(members)
+    def _round(self) -> None:
+        n = len(self._active)
         try:
-            events = list(self.adapter.step(mode))
+            events = self.adapter.step()
         except Exception as e:
-            self.log(f"runtime step failed for mode {mode!r}:\n" + traceback.format_exc())
+            self.log("runtime step failed:\n" + traceback.format_exc())
             msg = f"the runtime failed: {type(e).__name__}: {e}"
-            self.adapter.drop_scheduler(mode)
-            for rid, job in members.items():
-                self._active.pop((mode, rid), None)
+            for job in list(self._active.values()):
+                self._safe(lambda j=job: self.adapter.cancel(j.handle))
                 self.failed += 1
                 self._safe(lambda j=job: j.sink.error(msg, "internal"))
+            self._active.clear()
             return
         self.rounds += 1
         self.max_batch_seen = max(self.max_batch_seen, n)
-        for job in members.values():
+        for job in self._active.values():
             job.batch_hist[n] += 1
         for ev in events:
-            rid = _get(ev, "request_id")
-            job = members.get(rid)
-            if job is None or (mode, rid) not in self._active:
-                continue  # cancelled meanwhile, or an event for a request we do not know
-            self._deliver(mode, rid, job, ev)
+            key = self.adapter.event_key(ev)
+            job = self._active.get(key)
+            if job is not None:  # None: cancelled meanwhile
+                self._deliver(key, job, ev)
 
-    def _deliver(self, mode: str, rid: Any, job: Job, ev: Any) -> None:
+    def _deliver(self, key: Any, job: Job, ev: Any) -> None:
         new_ids = [int(t) for t in (_get(ev, "token_ids") or ())]
         finished = bool(_get(ev, "finished", False))
+        delta = str(_get(ev, "text", "") or "")  # the runtime holds back partial characters / stop strings
         if new_ids and job.t_first is None:
             job.t_first = time.monotonic()
         job.ids.extend(new_ids)
         job.unsent_ids.extend(new_ids)
-        stats = self._final_stats(job, ev) if finished else None
-        if job.spec.stream or finished:
-            full = self.adapter.decode(job.ids)
-            if full is None:  # no tokenizer: the event's text is this round's delta
-                full = job.text_sent + str(_get(ev, "text", "") or "")
-            if job.spec.stream:
-                # Hold back an incomplete multi-byte character until the next round completes it.
-                if (job.unsent_ids or finished) and (finished or not full.endswith("\ufffd")):
-                    delta = full[len(job.text_sent):]
-                    ok = self._safe(lambda: job.sink.send(job.unsent_ids, delta, stats, finished))
-                    job.text_sent, job.unsent_ids = full, []
-                    if not ok:
-                        self._release((mode, rid), cancelled=True)
-                        return
-            elif not self._safe(lambda: job.sink.send(job.ids, full, stats, True)):
-                self._release((mode, rid), cancelled=True)
-                return
-        elif self.adapter.tokenizer is None:
-            job.text_sent += str(_get(ev, "text", "") or "")
+        job.text += delta
+        stats = self._final_stats(job) if finished else None
+        if job.spec.stream:
+            if job.unsent_ids or delta or finished:
+                ok = self._safe(lambda: job.sink.send(job.unsent_ids, delta, stats, finished))
+                job.unsent_ids = []
+                if not ok:
+                    self._release(key, cancelled=True)
+                    return
+        elif finished and not self._safe(lambda: job.sink.send(job.ids, job.text, stats, True)):
+            self._release(key, cancelled=True)
+            return
         if finished:
-            self._active.pop((mode, rid), None)
+            self._active.pop(key, None)
             self.completed += 1
 
-    def _final_stats(self, job: Job, ev: Any) -> dict[str, Any]:
-        stats = dict(_get(ev, "stats") or {})
-        rounds = stats.get("rounds")
-        if "tau" not in stats and isinstance(rounds, int) and rounds > 0:
-            stats["tau"] = len(job.ids) / rounds
-        reason = _get(ev, "finish_reason") or stats.get("finish_reason")
-        if reason is None:
-            reason = "length" if len(job.ids) >= job.spec.max_tokens else "stop"
+    def _final_stats(self, job: Job) -> dict[str, Any]:
+        stats = self.adapter.request_stats(job.handle)
+        stats.setdefault("finish_reason", "length" if len(job.ids) >= job.spec.max_tokens else "stop")
         now = time.monotonic()
         stats.update(
             mode=job.spec.mode,
-            prompt_tokens=job.prompt_len,
+            prompt_tokens=len(job.prompt_ids or ()),
             completion_tokens=len(job.ids),
-            finish_reason=reason,
             max_batch_seen=max(job.batch_hist, default=0),
             batch_hist={str(k): v for k, v in sorted(job.batch_hist.items())},
+            scheduler_max_batch_seen=self.adapter.max_batch_seen,
             latency_s=round(now - job.t_submit, 6),
             ttft_s=None if job.t_first is None else round(job.t_first - job.t_submit, 6),
         )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: list[str] = dataclasses.field(default_factory=list)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class CharTokenizer:
@@ -63,115 +66,162 @@ def expected_output(prompt: str | list[int], max_tokens: int, stop: list[str] | 
 
 
 @dataclasses.dataclass(eq=False)
-class Event:
-    request_id: int
-    token_ids: list[int]
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    mode: str
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    emitted_text: int = 0
     finished: bool = False
     finish_reason: str | None = None
-    stats: dict[str, Any] | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class _Req:
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    out: list[int] = dataclasses.field(default_factory=list)
     rounds: int = 0
     hist: list[int] = dataclasses.field(default_factory=lambda: [0] * 4)
 
+    def result(self) -> dict[str, Any]:
+        tau = sum((a + 1) * n for a, n in enumerate(self.hist)) / self.rounds if self.rounds else None
+        return {
+            "token_ids": list(self.output_ids), "text": self.text, "finish_reason": self.finish_reason,
+            "stats": {"tau": tau, "rounds": self.rounds, "tokens": len(self.output_ids),
+                      "accepted_hist": list(self.hist), "params": dataclasses.asdict(self.params),
+                      "runtime": "standin"},
+        }
+
+
+@dataclasses.dataclass(eq=False)
+class Event:
+    request: Request
+    token_ids: list[int]
+    text: str
+    finished: bool
+
 
 class StandinScheduler:
+    """Mirrors ``retrace.runtime.Scheduler``: add / step / cancel, continuous batching over slots."""
+
     block_size = 4
 
-    def __init__(self, runtime: StandinRuntime, mode: str) -> None:
-        self.rt, self.mode = runtime, mode
-        self.active: dict[int, _Req] = {}
+    def __init__(self, runtime: StandinRuntime) -> None:
+        self.rt = runtime
+        self.running: dict[int, Request] = {}
+        self.waiting: list[Request] = []
+        self.max_batch_seen = 0
         self.batch_sizes: list[int] = []
         self.cancelled: list[int] = []
         self._crash = False
+        self._ids = itertools.count()
 
-    def add(self, prompt: str | list[int], params: SamplingParams) -> int:
-        text = prompt if isinstance(prompt, str) else CharTokenizer().decode(prompt)
+    def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
+        text = CharTokenizer().decode(prompt_ids)
         if "__reject__" in text:
             raise ValueError("prompt refused by the stand-in runtime (__reject__)")
-        ids = CharTokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if len(self.active) >= self.rt.max_batch:
-            raise RuntimeError(f"all {self.rt.max_batch} slots are busy")
-        if len(ids) + params.max_new_tokens > self.rt.max_seq_len:
-            raise ValueError(f"prompt + max_new_tokens exceeds max_seq_len {self.rt.max_seq_len}")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        need = len(prompt_ids) + params.max_new_tokens + self.block_size + 1
+        if need > self.rt.backend.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens + block exceeds max length {self.rt.backend.max_seq_len}")
         self._crash = self._crash or "__crash__" in text
-        rid = next(self.rt._ids)
-        self.active[rid] = _Req(rid, ids, params)
-        return rid
+        req = Request(next(self._ids), list(prompt_ids), params, mode)
+        self.waiting.append(req)
+        return req
 
-    def cancel(self, rid: int) -> None:
-        if self.active.pop(rid, None) is not None:
-            self.cancelled.append(rid)
+    def cancel(self, req: Request) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.running.pop(req.rid, None) is not None:
+            self.cancelled.append(req.rid)
+        req.finished, req.finish_reason = True, req.finish_reason or "cancelled"
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def step(self) -> list[Event]:
         if self._crash:
             self._crash = False
-            self.active.clear()
             raise RuntimeError("stand-in runtime crashed (__crash__)")
+        while self.waiting and len(self.running) < self.rt.backend.max_batch:
+            r = self.waiting.pop(0)
+            self.running[r.rid] = r
         if self.rt.step_delay_s:
             time.sleep(self.rt.step_delay_s)
-        self.batch_sizes.append(len(self.active))
-        with self.rt._lock:
-            self.rt.batch_sizes.append(len(self.active))
+        n = len(self.running)
+        self.batch_sizes.append(n)
+        self.max_batch_seen = max(self.max_batch_seen, n)
         events = []
-        for rid, r in list(self.active.items()):
-            accepted = (r.rounds + len(r.prompt)) % self.block_size  # 0..3 drafts accepted, +1 bonus
+        for r in list(self.running.values()):
+            accepted = (r.rounds + len(r.prompt_ids)) % self.block_size  # 0..3 drafts accepted, +1 bonus
             r.rounds += 1
             r.hist[accepted] += 1
             new: list[int] = []
-            prev = r.out[-1] if r.out else r.prompt[-1]
-            reason = None
+            prev = r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
             for _ in range(accepted + 1):
-                if len(r.out) + len(new) >= r.params.max_new_tokens:
-                    break
                 prev = next_token(prev)
                 new.append(prev)
-            text = CharTokenizer().decode(r.out + new)
-            for s in r.params.stop:
-                if s in text:  # cut at the stop string; never emit it
-                    keep = text.index(s) - len(r.out)
-                    new, reason = new[: max(keep, 0)], "stop"
+                r.output_ids.append(prev)
+                if len(r.output_ids) >= r.params.max_new_tokens:
+                    r.finish_reason = "length"
                     break
-            r.out += new
-            if reason is None and len(r.out) >= r.params.max_new_tokens:
-                reason = "length"
-            ev = Event(rid, new, finished=reason is not None, finish_reason=reason)
-            if ev.finished:
-                del self.active[rid]
-                ev.stats = {
-                    "rounds": r.rounds,
-                    "tau": len(r.out) / r.rounds,
-                    "accepted_hist": r.hist,
-                    "params": dataclasses.asdict(r.params),
-                    "runtime": "standin",
-                }
-            events.append(ev)
+            # like the runtime: text cut at a stop string, tail held back while it may still become one
+            r.text = CharTokenizer().decode(r.output_ids)
+            cut = min((i for i in (r.text.find(s) for s in r.params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                r.text, r.finish_reason = r.text[:cut], "stop"
+            hold = 0 if r.finish_reason else max([len(s) - 1 for s in r.params.stop] + [0])
+            visible = r.text[: len(r.text) - hold]
+            delta = visible[r.emitted_text:] if len(visible) > r.emitted_text else ""
+            r.emitted_text = max(r.emitted_text, len(visible))
+            if r.finish_reason:
+                r.finished = True
+                del self.running[r.rid]
+            events.append(Event(r, new, delta, r.finished))
         return events
+
+
+@dataclasses.dataclass
+class _Config:
+    vocab_size: int = VOCAB_SIZE
+
+
+@dataclasses.dataclass
+class _Backend:
+    max_batch: int
+    max_seq_len: int
+    name: str = "standin"
+    target_config: _Config = dataclasses.field(default_factory=_Config)
 
 
 class StandinRuntime:
     SamplingParams = SamplingParams
 
-    def __init__(self, bundle_dir: str, backend: str, max_batch: int, step_delay_s: float = 0.005) -> None:
+    def __init__(self, bundle_dir: str, backend: str = "onnxruntime", max_batch: int = 8,
+                 step_delay_s: float = 0.005) -> None:
         manifest = json.loads((Path(bundle_dir) / "manifest.json").read_text())
-        self.bundle_dir, self.backend, self.max_batch = bundle_dir, backend, max_batch
-        self.max_seq_len = int(manifest.get("max_seq_len", 4096))
-        self.vocab_size = VOCAB_SIZE
+        self.bundle_dir, self.backend_name = bundle_dir, backend
+        self.backend = _Backend(max_batch=max_batch, max_seq_len=int(manifest.get("max_seq_len", 4096)))
         self.step_delay_s = float(step_delay_s)
-        self.tokenizer = CharTokenizer()
-        self.batch_sizes: list[int] = []
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self.codec = CharTokenizer()
+        self._sched: StandinScheduler | None = None
 
-    def scheduler(self, mode: str) -> StandinScheduler:
-        return StandinScheduler(self, mode)
+    def scheduler(self) -> StandinScheduler:
+        if self._sched is None:
+            self._sched = StandinScheduler(self)
+        return self._sched
 
 
-def create_runtime(bundle_dir: str, *, backend: str, max_batch: int, **options: Any) -> StandinRuntime:
+def create_runtime(bundle_dir: str, *, backend: str = "onnxruntime", max_batch: int = 8,
+                   **options: Any) -> StandinRuntime:
     return StandinRuntime(bundle_dir, backend, max_batch, **options)
+
+
+def create_runtime_from_dirs(bundle_dir: str, *, backend: str = "torch", max_batch: int = 8, target_dir: str,
+                             drafter_dir: str | None = None, max_seq_len: int = 512, **kw: Any) -> Any:
+    """The REAL runtime on its torch backend, from model directories (``bundle_dir`` is ignored).
+
+    For tests of the Triton model against ``retrace.runtime`` before/without an exported engine bundle.
+    """
+    from retrace.runtime import Runtime
+
+    return Runtime.from_dirs(target_dir, drafter_dir, backend="torch", max_batch=max_batch,
+                             max_seq_len=max_seq_len, **kw)

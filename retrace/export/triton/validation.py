@@ -45,7 +45,7 @@ class Limits:
     max_tokens: int  # upper bound on max_tokens (bundle / runtime limit)
     max_seq_len: int | None = None  # prompt + generated tokens must fit
     vocab_size: int | None = None  # input_ids must be in [0, vocab_size)
-    modes: tuple[str, ...] = ("retrace", "dflash")
+    modes: tuple[str, ...] = ("retrace", "dflash", "ar")
     default_mode: str = "retrace"
 
 

@@ -1,0 +1,255 @@
+"""Triton deployment pieces that need no server: request validation, repository layout, serving loop."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from triton_fixtures import write_standin_bundle
+
+from retrace.export.triton import standin
+from retrace.export.triton.repository import RepositoryError, render_config, write_repository
+from retrace.export.triton.serving import Job, RuntimeAdapter, ServingLoop, bundle_limits
+from retrace.export.triton.validation import INPUTS, Limits, RequestError, parse_request
+
+LIMITS = Limits(max_tokens=100, max_seq_len=200, vocab_size=128)
+
+
+def S(*xs):  # BYTES tensor as the python backend hands it over
+    return np.array([x.encode() if isinstance(x, str) else x for x in xs], dtype=np.object_)
+
+
+def base(**kw):
+    d = {"text_input": S("abc"), "max_tokens": np.array([5], np.int32)}
+    d.update(kw)
+    return d
+
+
+# ------------------------------------------------------------------------------------------ validation
+def test_valid_request_defaults_and_all_inputs():
+    spec = parse_request(base(), "{}", LIMITS)
+    assert (spec.prompt_text, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k, spec.stream) == (
+        "abc", 5, 0.0, 1.0, 0, False)
+    assert spec.mode == "retrace" and spec.seed is None and spec.stop == []
+    spec = parse_request(
+        {"input_ids": np.array([[1, 2, 3]], np.int64), "max_tokens": np.array([7], np.int32),
+         "temperature": np.array([0.7], np.float32), "top_p": np.array([0.9], np.float32),
+         "top_k": np.array([20], np.int32), "seed": np.array([3], np.int64), "stop": S("\n", "END"),
+         "mode": S("dflash"), "stream": np.array([True])},
+        "", LIMITS)
+    assert spec.prompt_ids == [1, 2, 3] and spec.prompt_text is None
+    assert spec.sampling_kwargs() == {"max_new_tokens": 7, "temperature": pytest.approx(0.7), "top_p": pytest.approx(0.9),
+                                      "top_k": 20, "seed": 3, "stop": ["\n", "END"]}
+    assert spec.mode == "dflash" and spec.stream is True
+    # Triton's reserved parameters pass
+    parse_request(base(), json.dumps({"triton_enable_empty_final_response": True}), LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "params", "needle"),
+    [
+        ({"max_tokens": np.array([5], np.int32)}, "{}", "missing prompt"),
+        (base(input_ids=np.array([1], np.int64)), "{}", "not both"),
+        (base(text_input=S("")), "{}", "empty prompt"),
+        (base(text_input=S("a", "b")), "{}", "exactly one string"),
+        (base(text_input=S(b"\xff\xfe")), "{}", "not valid UTF-8"),
+        (base(text_input=np.array([1.0], np.float32)), "{}", "expected BYTES"),
+        ({"input_ids": np.array([], np.int64), "max_tokens": np.array([5], np.int32)}, "{}", "'input_ids' is an empty prompt"),
+        ({"input_ids": np.array([1.5], np.float32), "max_tokens": np.array([5], np.int32)}, "{}", "'input_ids' has data type float32"),
+        ({"input_ids": np.array([5, 999], np.int64), "max_tokens": np.array([5], np.int32)}, "{}", "token id 999 outside [0, 128)"),
+        ({"input_ids": np.array([-1], np.int64), "max_tokens": np.array([5], np.int32)}, "{}", "token id -1"),
+        ({"input_ids": np.ones((2, 2), np.int64), "max_tokens": np.array([5], np.int32)}, "{}", "must be 1-D"),
+        ({"text_input": S("abc")}, "{}", "missing input 'max_tokens'"),
+        (base(max_tokens=np.array([0], np.int32)), "{}", "'max_tokens' must be > 0"),
+        (base(max_tokens=np.array([-5], np.int32)), "{}", "'max_tokens' must be > 0"),
+        (base(max_tokens=np.array([101], np.int32)), "{}", "above this model's limit of 100"),
+        (base(max_tokens=np.array([1, 2], np.int32)), "{}", "exactly one value"),
+        (base(max_tokens=np.array([1.0], np.float32)), "{}", "'max_tokens' has data type float32"),
+        ({"input_ids": np.arange(150, dtype=np.int64) % 100, "max_tokens": np.array([60], np.int32)}, "{}", "exceeds"),
+        (base(temperature=np.array([-0.1], np.float32)), "{}", "'temperature' must be >= 0"),
+        (base(temperature=np.array([np.nan], np.float32)), "{}", "'temperature' must be a finite number"),
+        (base(temperature=np.array([1], np.int32)), "{}", "'temperature' has data type int32, expected FP32"),
+        (base(top_p=np.array([0.0], np.float32)), "{}", "'top_p' must be in (0, 1]"),
+        (base(top_p=np.array([1.5], np.float32)), "{}", "'top_p' must be in (0, 1]"),
+        (base(top_k=np.array([-1], np.int32)), "{}", "'top_k' must be >= 0"),
+        (base(seed=np.array([-1], np.int64)), "{}", "'seed' must be >= 0"),
+        (base(stop=S("")), "{}", "'stop' contains an empty string"),
+        (base(stop=S(*["x"] * 17)), "{}", "at most 16"),
+        (base(mode=S("turbo")), "{}", "unknown mode 'turbo'"),
+        (base(stream=np.array([1], np.int32)), "{}", "'stream' has data type int32, expected BOOL"),
+        (base(), json.dumps({"temprature": 0.5}), "unknown request parameter(s) 'temprature'"),
+        (base(), "not json", "not valid JSON"),
+        (base(), "[1]", "must be a JSON object"),
+        (base(bogus=np.array([1])), "{}", "unknown input(s) 'bogus'"),
+    ],
+)
+def test_malformed_requests_name_the_problem(inputs, params, needle):
+    with pytest.raises(RequestError) as ei:
+        parse_request(inputs, params, LIMITS)
+    assert needle in str(ei.value)
+
+
+def test_inputs_table_matches_the_brief():
+    assert INPUTS["text_input"] == ("TYPE_STRING", True) and INPUTS["max_tokens"] == ("TYPE_INT32", False)
+    assert {k for k, (_, opt) in INPUTS.items() if not opt} == {"max_tokens"}
+
+
+# ------------------------------------------------------------------------------------------ repository
+def test_write_repository_layout(tmp_path):
+    bundle = write_standin_bundle(tmp_path / "b")
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "activate").write_text("")
+    repo = write_repository(bundle, tmp_path / "repo", model_name="m1", instances=2, max_batch=4, env_path=env)
+    cfg = (repo / "m1" / "config.pbtxt").read_text()
+    for needle in ('name: "m1"', 'backend: "python"', "decoupled: true", "count: 2 kind: KIND_CPU",
+                   'key: "EXECUTION_ENV_PATH" value: { string_value: "' + str(env) + '" }',
+                   'key: "RETRACE_BUNDLE" value: { string_value: "bundle" }',
+                   'key: "RETRACE_MAX_BATCH" value: { string_value: "4" }',
+                   '{ name: "max_tokens" data_type: TYPE_INT32 dims: [ -1 ] }',
+                   '{ name: "text_input" data_type: TYPE_STRING dims: [ -1 ] optional: true }',
+                   '{ name: "stats" data_type: TYPE_STRING dims: [ -1 ] }'):
+        assert needle in cfg, needle
+    assert "RETRACE_RUNTIME_FACTORY" not in cfg
+    assert (repo / "m1" / "1" / "model.py").read_text().startswith('"""Triton python-backend model')
+    assert (repo / "m1" / "1" / "retrace" / "export" / "triton" / "serving.py").is_file()
+    assert not list((repo / "m1" / "1" / "retrace").rglob("__pycache__"))
+    assert (repo / "m1" / "bundle" / "manifest.json").read_text() == (bundle / "manifest.json").read_text()
+    meta = json.loads((repo / "m1" / "retrace.json").read_text())
+    assert meta["instances"] == 2 and meta["bundle_source"] == str(bundle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "env", "repo"]  # no temp dirs left
+
+    with pytest.raises(RepositoryError, match="exists; pass force=True"):
+        write_repository(bundle, repo, model_name="m1")
+    repo2 = write_repository(bundle, repo, model_name="m2", copy_bundle=False, vendor_package=False,
+                             force=True, pythonpath=[tmp_path])
+    assert sorted(p.name for p in repo2.iterdir()) == ["m2"]
+    cfg2 = (repo2 / "m2" / "config.pbtxt").read_text()
+    assert f'string_value: "{bundle}"' in cfg2 and "EXECUTION_ENV_PATH" not in cfg2
+    assert f'key: "RETRACE_PYTHONPATH" value: {{ string_value: "{tmp_path}" }}' in cfg2
+    assert not (repo2 / "m2" / "bundle").exists() and not (repo2 / "m2" / "1" / "retrace").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "env", "repo"]
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [({"model_name": "a b"}, "must match"), ({"instances": 0}, ">= 1"), ({"max_batch": 0}, ">= 1"),
+     ({"env_path": "/nonexistent/env"}, "no bin/activate"), ({"modes": []}, "modes must be")],
+)
+def test_write_repository_refuses(tmp_path, kw, needle):
+    bundle = write_standin_bundle(tmp_path / "b")
+    with pytest.raises(RepositoryError, match=needle):
+        write_repository(bundle, tmp_path / "repo", **kw)
+    with pytest.raises(RepositoryError, match="no manifest.json"):
+        write_repository(tmp_path, tmp_path / "repo2")
+    assert not (tmp_path / "repo").exists()
+
+
+def test_render_config_escapes_values():
+    text = render_config("m", instances=1, parameters={"K": 'a "quoted" \\ value'})
+    assert 'string_value: "a \\"quoted\\" \\\\ value"' in text
+
+
+def test_bundle_limits_reads_top_level_and_sections():
+    assert bundle_limits({"max_seq_len": 100, "limits": {"max_new_tokens": 50}, "target": {"vocab_size": 9}}) == {
+        "max_seq_len": 100, "max_new_tokens": 50, "vocab_size": 9}
+    assert bundle_limits({}) == {"max_seq_len": None, "max_new_tokens": None, "vocab_size": None}
+
+
+# ------------------------------------------------------------------------------------------ serving loop
+class FakeSink:
+    def __init__(self):
+        self.responses: list[tuple[list[int], str, dict | None, bool]] = []
+        self.errors: list[tuple[str, str]] = []
+        self.cancel = False
+        self.done = threading.Event()
+
+    def send(self, ids, text, stats, final):
+        self.responses.append((list(ids), text, stats, final))
+        if final:
+            self.done.set()
+
+    def error(self, message, kind="internal"):
+        self.errors.append((message, kind))
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancel
+
+
+def make_loop(tmp_path, max_batch=4, delay=0.002):
+    rt = standin.create_runtime(str(write_standin_bundle(tmp_path / "b", 256)), max_batch=max_batch,
+                                step_delay_s=delay)
+    adapter = RuntimeAdapter(rt)
+    loop = ServingLoop(adapter, Limits(max_tokens=100, max_seq_len=256 - adapter.reserve), max_batch=max_batch)
+    loop.start()
+    return rt, loop
+
+
+def submit(loop, text, max_tokens, stream=False, stop=()):
+    spec = parse_request({"text_input": S(text), "max_tokens": np.array([max_tokens], np.int32),
+                          "stream": np.array([stream]), **({"stop": S(*stop)} if stop else {})}, "", loop.limits)
+    sink = FakeSink()
+    loop.submit(Job(spec=spec, sink=sink))
+    return sink
+
+
+def test_loop_batches_streams_and_cancels(tmp_path):
+    rt, loop = make_loop(tmp_path)
+    try:
+        sinks = [submit(loop, f"p{i}", 12, stream=i % 2 == 0) for i in range(10)]
+        for s in sinks:
+            assert s.done.wait(10)
+        for i, s in enumerate(sinks):
+            want = standin.expected_output(f"p{i}", 12)
+            assert not s.errors
+            assert "".join(r[1] for r in s.responses) == want
+            assert [t for r in s.responses for t in r[0]] == [ord(c) for c in want]
+            assert [r[3] for r in s.responses] == [False] * (len(s.responses) - 1) + [True]
+            if i % 2:
+                assert len(s.responses) == 1
+            else:
+                assert len(s.responses) > 1  # one response per round
+            stats = s.responses[-1][2]
+            assert stats["completion_tokens"] == 12 and stats["finish_reason"] == "length"
+            assert stats["rounds"] == sum(stats["accepted_hist"]) and stats["tau"] > 1
+            assert 1 <= stats["max_batch_seen"] <= 4
+        assert loop.max_batch_seen == 4 and max(rt.scheduler().batch_sizes) == 4
+        # stop string: text cut before it; the tail that might become a stop string is held back
+        s = submit(loop, "a", 20, stream=True, stop=("gh",))
+        assert s.done.wait(10)
+        assert "".join(r[1] for r in s.responses) == "bcdef" and s.responses[-1][2]["finish_reason"] == "stop"
+        # cancellation frees the slot
+        s = submit(loop, "long", 100, stream=True)
+        while not s.responses:
+            time.sleep(0.001)
+        s.cancel = True
+        t0 = time.monotonic()
+        while loop.cancelled == 0 and time.monotonic() - t0 < 5:
+            time.sleep(0.005)
+        assert loop.cancelled == 1 and s.errors == [("the request was cancelled", "cancelled")]
+        assert rt.scheduler().cancelled and not rt.scheduler().running
+        # runtime-side rejection and crash become errors; the loop keeps serving
+        s = submit(loop, "__reject__", 5)
+        assert s.done.wait(5) and "runtime rejected the request" in s.errors[0][0] and s.errors[0][1] == "invalid"
+        s = submit(loop, "__crash__", 5)
+        assert s.done.wait(5) and "the runtime failed" in s.errors[0][0]
+        s = submit(loop, "ok", 5)
+        assert s.done.wait(5) and s.responses[-1][1] == standin.expected_output("ok", 5)
+    finally:
+        loop.stop()
+
+
+def test_loop_stop_fails_outstanding_requests(tmp_path):
+    rt, loop = make_loop(tmp_path, max_batch=1, delay=0.01)
+    sinks = [submit(loop, "x", 100) for _ in range(3)]
+    time.sleep(0.05)
+    loop.stop()
+    for s in sinks:
+        assert s.done.is_set() and s.errors == [("the model is shutting down", "unavailable")]
+    late = FakeSink()
+    loop.submit(Job(spec=parse_request(base(), "", LIMITS), sink=late))
+    assert late.errors and late.errors[0][1] == "unavailable"
