@@ -1,20 +1,19 @@
-"""Errors the plugins (and the engines built on them) raise on purpose.
+"""The missing-dependency error of the TensorRT paths (plugins, engine build, runtime backend).
 
-`RetraceMissingDependency` is what every optional backend raises when the package it needs is not
-installed, or cannot work on this machine. Its message is complete on its own (what is missing, the
-command that installs it, and the kind of machine it needs), so a CLI prints `str(err)` and exits
-with `err.exit_code` instead of showing a traceback.
+`RetraceMissingDependency` is a `retrace.errors.MissingDependencyError` (so the CLIs print it as one
+line, no traceback) and an `ImportError` (so `except ImportError` fallbacks keep working). Its message
+is complete on its own: what is missing, the command that installs it, the machine it needs.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from retrace.errors import MissingDependencyError
 
-class RetraceMissingDependency(ImportError):
+
+class RetraceMissingDependency(MissingDependencyError, ImportError):
     """An optional dependency is missing; the message says what to install and where."""
-
-    exit_code = 3
 
     def __init__(self, feature: str, package: str, install: str, machine: str | None = None,
                  detail: str | None = None):
