@@ -1,0 +1,229 @@
+"""The TensorRT backend: the plans of `retrace.export.tensorrt` run through TensorRT's Python API.
+
+Written against the documented TensorRT 10 API (IExecutionContext.set_input_shape /
+set_tensor_address / execute_async_v3 with torch CUDA tensors as buffers); TensorRT cannot be
+installed on the machines this project is developed on, so this file has not run against a real
+engine. What is tested without it: the profile choice and the one clear error when tensorrt (or a
+CUDA GPU) is missing.
+
+Engine directory (default `<bundle>/tensorrt`): `target.plan`, `drafter.plan`, `tensorrt.json`
+(profiles, I/O names, limits). K/V caches are preallocated on the GPU per slot, [max_batch, Hkv,
+max_seq_len, hd] per layer, indexed by absolute position (docs/INTERFACES.md); each call passes the
+first `P = max(past_len)` positions of its slots (a contiguous copy: TensorRT bindings are dense) and
+writes the returned K/V of the new tokens back at their positions. Tensors cross the interface on
+the CPU, as the Backend protocol says.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from retrace.errors import RetraceError
+from retrace.plugins.errors import RetraceMissingDependency, require_tensorrt
+
+ENGINE_SUBDIR = "tensorrt"
+ENGINE_MANIFEST = "tensorrt.json"
+GPU_MACHINE = "a Linux machine with an NVIDIA GPU and a CUDA driver"
+
+
+def pick_profile(profile_shapes: list[dict[str, list]], shapes: dict[str, tuple[int, ...]]) -> int:
+    """Index of the optimisation profile for a call: among those whose (min, max) ranges hold every
+    input shape, the one whose opt shapes are nearest (a decode call fits "verify" too, but "decode" is
+    tuned for it)."""
+    best, best_dist = -1, None
+    for index, table in enumerate(profile_shapes):
+        dist = 0
+        for name, shape in shapes.items():
+            lo, opt, hi = table[name]
+            if len(shape) != len(lo) or any(not a <= s <= b for s, a, b in zip(shape, lo, hi, strict=True)):
+                dist = None
+                break
+            dist += sum(abs(s - o) for s, o in zip(shape, opt, strict=True))
+        if dist is not None and (best_dist is None or dist < best_dist):
+            best, best_dist = index, dist
+    if best >= 0:
+        return best
+    desc = ", ".join(f"{n}={tuple(s)}" for n, s in shapes.items())
+    raise RetraceError(f"no TensorRT optimisation profile fits the call ({desc}); rebuild the engines with larger "
+                       "limits (retrace-export build --max-batch/--max-seq-len/--max-prompt-len)")
+
+
+def _torch_dtype(trt, dtype) -> torch.dtype:
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+             trt.int64: torch.int64, trt.int32: torch.int32, trt.int8: torch.int8, trt.bool: torch.bool}
+    return table[dtype]
+
+
+class _Engine:
+    """One deserialized plan with its execution context and its profile table."""
+
+    def __init__(self, trt, runtime, plan: Path, info: dict, profiles: list[str], device: torch.device):
+        self.trt = trt
+        self.engine = runtime.deserialize_cuda_engine(plan.read_bytes())
+        if self.engine is None:
+            raise RetraceError(f"{plan}: TensorRT could not deserialize the plan (built by another TensorRT "
+                               "version or for another GPU? rebuild it here)")
+        self.context = self.engine.create_execution_context()
+        self.device = device
+        self.inputs: list[str] = list(info["inputs"])
+        self.outputs: list[str] = list(info["outputs"])
+        self.output_table: dict[str, str] = info["output_table"]
+        self.profile_shapes = [info["shapes"][p] for p in profiles]
+        self.profile = -1
+        self.dtypes = {n: _torch_dtype(trt, self.engine.get_tensor_dtype(n)) for n in self.inputs + self.outputs}
+
+    def layers(self) -> int:
+        return sum(1 for n in self.inputs if n.startswith("past_key_"))
+
+    def run(self, feeds: dict[str, torch.Tensor], stream: torch.cuda.Stream | None) -> dict[str, torch.Tensor]:
+        feeds = {n: t.to(self.device, self.dtypes[n]).contiguous() for n, t in feeds.items() if n in self.dtypes}
+        missing = set(self.inputs) - set(feeds)
+        if missing:
+            raise RetraceError(f"TensorRT engine inputs not provided: {sorted(missing)}")
+        profile = pick_profile(self.profile_shapes, {n: tuple(t.shape) for n, t in feeds.items()})
+        ctx = self.context
+        handle = stream.cuda_stream if stream is not None else 0
+        if profile != self.profile:
+            ctx.set_optimization_profile_async(profile, handle)
+            self.profile = profile
+        for name in self.inputs:
+            t = feeds[name]
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        results = {}
+        for name in self.outputs:
+            shape = tuple(ctx.get_tensor_shape(name))
+            results[name] = torch.empty(shape, dtype=self.dtypes[name], device=self.device)
+            ctx.set_tensor_address(name, results[name].data_ptr())
+        if not ctx.execute_async_v3(handle):
+            raise RetraceError("TensorRT execution failed (see the TensorRT log)")
+        if stream is not None:
+            stream.synchronize()
+        return results
+
+    def kv_names(self, role: str) -> list[str]:
+        template = self.output_table[role]
+        return [template.format(i=i) for i in range(self.layers())]
+
+
+class _Cache:
+    def __init__(self, layers: int, slots: int, kv_heads: int, length: int, head_dim: int, dtype, device):
+        shape = (slots, kv_heads, length, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+
+    def feeds(self, slots: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            out[f"past_key_{i}"] = k[slots, :, :length]
+            out[f"past_value_{i}"] = v[slots, :, :length]
+        return out
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, new_k: list[torch.Tensor], new_v: list[torch.Tensor]):
+        rows = slots[:, None]
+        for cache, new in zip(self.k + self.v, new_k + new_v, strict=True):
+            cache[rows, :, positions] = new.transpose(1, 2).to(cache.dtype)
+
+
+class TensorRTBackend:
+    name = "tensorrt"
+
+    def __init__(self, engine_dir: str | Path, target_config, drafter_config=None, device: str = "cuda"):
+        trt = require_tensorrt("The TensorRT backend")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RetraceMissingDependency(
+                "The TensorRT backend", "torch (a CUDA build)",
+                "pip install torch --index-url https://download.pytorch.org/whl/cu128", GPU_MACHINE,
+                "torch.cuda.is_available() is False here.")
+        engine_dir = Path(engine_dir)
+        manifest_path = engine_dir / ENGINE_MANIFEST
+        if not manifest_path.is_file():
+            raise RetraceError(f"{manifest_path}: not found; build the engines first "
+                               "(retrace-export build --engine tensorrt)")
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("plugin") in ("aot", "jit"):
+            try:  # AOT plans carry their PTX, the JIT plugin needs its Python definition registered
+                from retrace.plugins import tensorrt_plugin
+
+                tensorrt_plugin.register()
+            except RetraceMissingDependency:
+                if manifest["plugin"] == "jit":
+                    raise
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.target_config = target_config
+        self.drafter_config = drafter_config
+        limits = manifest["limits"]
+        self.max_batch = int(limits["max_batch"])
+        self.max_seq_len = int(limits["max_seq_len"])
+        self.block_size = int(limits["block_size"])
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        graphs = manifest["graphs"]
+        self.engines = {g: _Engine(trt, runtime, engine_dir / info["plan"], info, manifest["profiles"], self.device)
+                        for g, info in graphs.items()}
+        if drafter_config is not None and "drafter" not in self.engines:
+            raise RetraceError(f"{engine_dir}: no drafter plan, but a drafter config was given")
+        self.has_conditioner = "drafter" in self.engines and "memory" in self.engines["drafter"].inputs
+        self.caches = {}
+        for g, eng in self.engines.items():
+            layers = eng.layers()
+            lo = eng.profile_shapes[0]["past_key_0"][0] if layers else None
+            dtype = eng.dtypes["past_key_0"] if layers else torch.float16
+            self.caches[g] = _Cache(layers, self.max_batch, lo[1] if lo else 0, self.max_seq_len,
+                                    lo[3] if lo else 0, dtype, self.device)
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str | Path, engine_dir: str | Path | None = None, device: str = "cuda",
+                    target_subdir: str = "target", drafter_subdir: str = "drafter") -> TensorRTBackend:
+        require_tensorrt("The TensorRT backend")  # before anything else: one clear message
+        from retrace.models.config import DrafterConfig, Qwen3Config
+
+        bundle = Path(bundle_dir)
+        target_config = Qwen3Config.from_dir(bundle / target_subdir)
+        drafter_dir = bundle / drafter_subdir
+        drafter_config = DrafterConfig.from_dir(drafter_dir) if (drafter_dir / "config.json").is_file() else None
+        return cls(engine_dir or bundle / ENGINE_SUBDIR, target_config, drafter_config, device)
+
+    # -- Backend protocol ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def target(self, slots, input_ids, positions, logits_index):
+        eng, cache = self.engines["target"], self.caches["target"]
+        slots_d = slots.to(self.device)
+        past_len = positions[:, 0]
+        feeds = {"input_ids": input_ids, "position_ids": positions, "past_len": past_len,
+                 "logits_index": logits_index, **cache.feeds(slots_d, int(past_len.max()))}
+        out = eng.run(feeds, self.stream)
+        cache.write(slots_d, positions.to(self.device), [out[n] for n in eng.kv_names("new_key")],
+                    [out[n] for n in eng.kv_names("new_value")])
+        t = eng.output_table
+        return out[t["logits"]].float().cpu(), out[t["taps"]].float().cpu()
+
+    @torch.inference_mode()
+    def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
+        eng, cache = self.engines["drafter"], self.caches["drafter"]
+        slots_d = slots.to(self.device)
+        past_len = ctx_positions[:, 0]
+        feeds = {"ctx_taps": ctx_taps, "ctx_positions": ctx_positions, "block_ids": block_ids,
+                 "block_positions": block_positions, "past_len": past_len,
+                 **cache.feeds(slots_d, int(past_len.max()))}
+        if self.has_conditioner:
+            n, b = block_ids.shape
+            if suffix is None:  # no memory: valid == 0 everywhere makes the fusion the identity (DFlash)
+                d = self.drafter_config.hidden_size if self.drafter_config else eng.profile_shapes[0]["memory"][0][2]
+                f = eng.profile_shapes[0]["features"][0][2]
+                feeds.update(memory=torch.zeros(n, b, d), features=torch.zeros(n, b, f), valid=torch.zeros(n, b),
+                             corr_index=torch.zeros(n, b, dtype=torch.int64))
+            else:
+                feeds.update(memory=suffix.memory, features=suffix.features, valid=suffix.valid,
+                             corr_index=suffix.corr_index)
+        out = eng.run(feeds, self.stream)
+        cache.write(slots_d, ctx_positions.to(self.device), [out[n] for n in eng.kv_names("new_key")],
+                    [out[n] for n in eng.kv_names("new_value")])
+        t = eng.output_table
+        return out[t["hidden"]].float().cpu(), out[t["logits"]].float().cpu()
+
+    def release(self, slot: int) -> None:
+        pass  # positions mask stale cache rows; nothing to clear
