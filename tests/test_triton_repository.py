@@ -253,3 +253,33 @@ def test_loop_stop_fails_outstanding_requests(tmp_path):
     late = FakeSink()
     loop.submit(Job(spec=parse_request(base(), "", LIMITS), sink=late))
     assert late.errors and late.errors[0][1] == "unavailable"
+
+
+# ------------------------------------------------------------------------------------------ env cache
+@pytest.mark.slow
+def test_ensure_triton_env_builds_once_under_a_lock(tmp_path):
+    """Two processes racing on an empty cache: one builds, the other waits; a third call is instant."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from retrace.export.triton.env import ensure_triton_env;"
+            "print(json.dumps(ensure_triton_env(sys.argv[1], requirements=('numpy<2',)).as_dict()))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    envs = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert envs[0] == envs[1]
+    logs = "".join(e for _, e in outs)
+    assert logs.count("create model venv") == 1 and logs.count("install nvidia-pytriton") == 1, logs
+    from pathlib import Path
+
+    from retrace.export.triton.env import ensure_triton_env
+
+    t0 = time.monotonic()
+    env = ensure_triton_env(tmp_path, requirements=("numpy<2",), log=lambda m: pytest.fail(f"rebuilt: {m}"))
+    assert time.monotonic() - t0 < 1.0
+    assert env.tritonserver.is_file() and (env.backend_dir / "python" / "triton_python_backend_stub").is_file()
+    assert (env.model_env / "bin" / "activate").is_file() and Path(env.python_libdir).is_dir()
+    assert "numpy==1." in (env.model_env / "requirements.lock.txt").read_text()
+    assert not list(tmp_path.glob("*.partial"))

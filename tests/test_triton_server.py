@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from triton_fixtures import (
 )
 
 from retrace.export.triton import standin
-from retrace.export.triton_server import TritonServer
+from retrace.export.triton_server import TritonServer, TritonServerError
 
 expected = standin.expected_output
 BUDGET = STANDIN_MAX_SEQ_LEN - standin.StandinScheduler.block_size - 1  # prompt + max_tokens per request
@@ -280,10 +281,11 @@ def test_grpc_stream_cancel(standin_server):
 
 
 def test_clean_shutdown_with_requests_in_flight(tmp_path, triton_env, standin_bundle):
-    repo = write_standin_repo(tmp_path / "repo", standin_bundle, triton_env, max_batch=2)
+    repo = write_standin_repo(tmp_path / "repo", standin_bundle, triton_env, max_batch=2, instances=2)
     srv = TritonServer(repo, triton_env, log_path=tmp_path / "server.log", models=[MODEL], stop_timeout=30)
     with srv:
         assert srv.is_running()
+        assert "retrace (retrace_0_0) serving" in srv.log_text() and "retrace (retrace_0_1) serving" in srv.log_text()
         pid = srv.proc.pid
         outs: list = []
         threads = [threading.Thread(target=lambda i=i: outs.append(
@@ -306,7 +308,30 @@ def test_clean_shutdown_with_requests_in_flight(tmp_path, triton_env, standin_bu
     for status, out in outs:
         assert (status == 200 and len(out["text_output"]) == 100) or "shutting down" in out.get("error", ""), out
     log = srv.log_text()
-    assert "successfully unloaded 'retrace'" in log and "stopped: {" in log
+    assert "successfully unloaded 'retrace'" in log and log.count("stopped: {") == 2
+
+
+def test_model_refuses_numpy2_environment(tmp_path, triton_env, standin_bundle):
+    """numpy 2 in the execution env garbles tensors in tritonserver 2.51: the model must refuse to load."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    env = tmp_path / "np2env"
+    subprocess.run([triton_env.model_env / "bin" / "python", "-c", f"import venv; venv.create({str(env)!r})"],
+                   check=True)
+    # borrow this interpreter's packages (numpy 2) instead of installing anything
+    site = Path(sysconfig.get_paths()["purelib"])
+    pyver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (env / "lib" / pyver / "site-packages" / "borrow.pth").write_text(str(site) + "\n")
+    repo = write_standin_repo(tmp_path / "repo", standin_bundle, triton_env)
+    patched = (repo / MODEL / "config.pbtxt").read_text().replace(str(triton_env.model_env), str(env))
+    (repo / MODEL / "config.pbtxt").write_text(patched)
+    srv = TritonServer(repo, triton_env, log_path=tmp_path / "server.log", models=[MODEL], startup_timeout=60)
+    with pytest.raises(TritonServerError, match="exited with code|not ready"):
+        srv.start()
+    assert "the python backend needs numpy<2" in srv.log_text()
+    assert not srv.is_running() and not srv.leftover
 
 
 def test_real_runtime_torch_backend_through_triton(tmp_path, triton_env, standin_bundle):

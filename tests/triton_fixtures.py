@@ -64,7 +64,8 @@ def fixture_standin_server(tmp_path_factory, triton_env, standin_bundle) -> Iter
     """One server for the module's request tests (stand-in runtime, max_batch 8, 10 ms per round)."""
     root = tmp_path_factory.mktemp("standin")
     repo = write_standin_repo(root / "repo", standin_bundle, triton_env)
-    srv = TritonServer(repo, triton_env, log_path=root / "server.log", models=[MODEL], startup_timeout=120)
+    srv = TritonServer(repo, triton_env, log_path=root / "server.log", models=[MODEL], startup_timeout=120,
+                       die_with_parent=True)
     srv.start()
     print(f"\n[triton] server ready in {srv.startup_s:.2f} s, log {srv.log_path}")
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -52,6 +53,14 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
     return ports
 
 
+def _parent_death_signal() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -76,6 +85,7 @@ class TritonServer:
         models: Sequence[str] = (),
         extra_args: Sequence[str] = (),
         log_verbose: int = 0,
+        die_with_parent: bool = False,
     ) -> None:
         self.repo = Path(model_repository).absolute()
         self.env = env or ensure_triton_env()
@@ -85,6 +95,9 @@ class TritonServer:
         self.models = tuple(models)
         self.extra_args = tuple(extra_args)
         self.log_verbose = log_verbose
+        # Linux: SIGTERM the server when the thread that started it dies (a killed test run leaves no
+        # server behind). Start it from a long-lived thread when this is on.
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen[bytes] | None = None
         self.http_port = self.grpc_port = self.metrics_port = 0
         self.startup_s: float | None = None
@@ -145,6 +158,7 @@ class TritonServer:
                 self.proc = subprocess.Popen(
                     self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env=self.env.server_environ(), cwd=str(self.repo), start_new_session=True,
+                    preexec_fn=_parent_death_signal if self.die_with_parent else None,
                 )
             try:
                 self._wait_ready()
@@ -256,7 +270,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--log", default=None, help="log file (default: a temp file)")
     ap.add_argument("--model", action="append", default=[], help="wait until this model is ready")
     args = ap.parse_args(argv)
-    srv = TritonServer(args.repository, ensure_triton_env(args.cache_dir), log_path=args.log, models=args.model)
+    srv = TritonServer(args.repository, ensure_triton_env(args.cache_dir), log_path=args.log, models=args.model,
+                       die_with_parent=True)
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # SIGINT may arrive ignored (a background job of a script); SIGTERM must stop the server too.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     srv.start()
     print(f"ready in {srv.startup_s:.1f} s: http {srv.http_url}  grpc {srv.grpc_url}  metrics {srv.metrics_url}\n"
           f"log: {srv.log_path}  (Ctrl-C stops)", flush=True)

@@ -26,6 +26,8 @@ import fcntl
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -167,9 +169,11 @@ def _build_model_env(dest: Path, python: Path, requirements: Sequence[str], log:
     _run([str(python), "-m", "venv", str(dest)], "create model venv", 600, log)
     pip = [str(dest / "bin" / "python"), "-m", "pip", "install", "--no-input", "--progress-bar", "off"]
     _run([*pip, *requirements, *_extra_pip_args()], "install model env packages", 3600, log)
-    probe = ("import numpy, torch, onnxruntime, transformers, tokenizers, safetensors;"
-             "assert int(numpy.__version__.split('.')[0]) < 2, numpy.__version__;"
-             "print(numpy.__version__, torch.__version__, onnxruntime.__version__, transformers.__version__)")
+    modules = [re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].strip().replace("-", "_") for r in requirements]
+    checked = [m for m in ("torch", "onnxruntime", "transformers", "tokenizers", "safetensors") if m in modules]
+    probe = (f"import {', '.join(['numpy', *checked])};"
+             "assert int(numpy.__version__.split('.')[0]) < 2, 'numpy ' + numpy.__version__ + ' (need < 2)';"
+             "print('numpy', numpy.__version__)")
     _run([str(dest / "bin" / "python"), "-c", probe], "check model env imports", 600, log)
     frozen = subprocess.run([str(dest / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True)
     (dest / "requirements.lock.txt").write_text(frozen.stdout)
@@ -257,8 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.shell:
         for k, v in env.as_dict().items():
-            print(f"TRITON_{k.upper()}={v!s}")
-        print(f"TRITON_LD_LIBRARY_PATH={env.python_libdir}")
+            print(f"TRITON_{k.upper()}={shlex.quote(str(v))}")
+        print(f"TRITON_LD_LIBRARY_PATH={shlex.quote(str(env.python_libdir))}")
     else:
         print(json.dumps(env.as_dict() | {"seconds": round(time.monotonic() - t0, 2)}, indent=1))
     return 0

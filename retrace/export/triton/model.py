@@ -75,6 +75,14 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("the ReTrace model must be decoupled (model_transaction_policy)")
+        if int(np.__version__.split(".")[0]) >= 2:
+            # Seen with tritonserver 2.51: the stub then garbles output tensors and dies on the first BYTES
+            # input, and the server cannot shut down cleanly. Refuse to load instead.
+            raise pb_utils.TritonModelException(
+                f"numpy {np.__version__} in the model's Python environment ({sys.prefix}); the python backend "
+                "needs numpy<2: set EXECUTION_ENV_PATH to an environment made by "
+                "`python -m retrace.export.triton.env` (or install numpy<2 there)"
+            )
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         model_dir = args["model_repository"]
 
