@@ -266,9 +266,8 @@ class Scheduler:
     # -- commit and stop ---------------------------------------------------------------------------------
     def _commit(self, r: Request, tokens: list[int], events: dict[int, Event]) -> None:
         p = r.params
-        new: list[int] = []
+        n0 = len(r.output_ids)
         for t in tokens:
-            new.append(t)
             r.output_ids.append(t)
             if t in self.eos_ids and not p.ignore_eos:
                 r.finish_reason = "stop"
@@ -276,16 +275,20 @@ class Scheduler:
             if len(r.output_ids) >= p.max_new_tokens:
                 r.finish_reason = "length"
                 break
-        r.stats.tokens += len(new)
-        self.stats[r.mode].tokens += len(new)
         delta = ""
         if self.codec is not None:
             r.text = self.codec.decode(r.output_ids)
-            if p.stop:
-                cut = min((i for i in (r.text.find(s) for s in p.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    r.text = r.text[:cut]
-                    r.finish_reason = "stop"
+            if p.stop and _find_stop(r.text, p.stop) >= 0:
+                # Stop right after the token that completes the stop string, as one token per round
+                # would: the tokens of the accepted block after it are dropped, never emitted.
+                for n in range(n0 + 1, len(r.output_ids) + 1):
+                    text = self.codec.decode(r.output_ids[:n])
+                    cut = _find_stop(text, p.stop)
+                    if cut >= 0:
+                        break
+                del r.output_ids[n:]
+                r.text = text[:cut]
+                r.finish_reason = "stop"
             # hold back an incomplete UTF-8 tail and anything that might still become a stop string
             hold = 0 if r.finish_reason else max([len(s) - 1 for s in p.stop] + [0])
             visible = r.text[: len(r.text) - hold] if hold else r.text
@@ -294,6 +297,9 @@ class Scheduler:
             if len(visible) > r.emitted_text:
                 delta = visible[r.emitted_text:]
                 r.emitted_text = len(visible)
+        new = r.output_ids[n0:]
+        r.stats.tokens += len(new)
+        self.stats[r.mode].tokens += len(new)
         ev = events.get(r.rid)
         if ev is None:
             events[r.rid] = Event(r, new, delta, False)
@@ -317,3 +323,8 @@ class Scheduler:
             self.free_slots.append(r.slot)
             self.free_slots.sort()
         r.slot = -1
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Index of the earliest stop string in text, -1 if none."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)

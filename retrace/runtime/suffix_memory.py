@@ -54,6 +54,11 @@ class SuffixMemory:
         self.position = torch.full((slots,), -1, dtype=torch.int64)  # absolute position of new slot 0
 
     def clear(self, slot: int) -> None:
+        # corr_index too: the drafter gathers with it even where valid == 0, and a stale index from the
+        # slot's previous request can point past a new request's (shorter) context
+        self.memory[slot] = 0
+        self.features[slot] = 0
+        self.corr_index[slot] = 0
         self.valid[slot] = 0
         self.count[slot] = 0
         self.position[slot] = -1

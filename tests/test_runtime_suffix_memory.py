@@ -1,0 +1,186 @@
+"""Rejected-suffix memory: alignment, features, bookkeeping (retrace/runtime/suffix_memory.py), and the
+same facts checked end to end on what the scheduler actually feeds the drafter.
+
+Round r: anchor at absolute position p, a drafts accepted, next anchor p' = p + a + 1. Old block slot j
+(absolute p + j) becomes new slot k = j - a - 1. Valid new slots: k = 1 .. B-2-a (slot 0, the new anchor,
+never; nothing after a >= B-2). Slot k carries the drafter's hidden state at old slot j = k + a + 1, its
+correction is the verify taps that scored d_j, i.e. those at old slot j - 1 = k + a (absolute p' + k - 1),
+and its features are [target argmax at j-1 == d_j, target prob of d_j at j-1, drafter prob of d_j at j].
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_fixtures import OracleDrafter, single_thread, write_pair
+
+from retrace.models.conditioner import FEATURES
+from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.suffix_memory import SuffixMemory, align
+from retrace.runtime.torch_backend import TorchBackend
+
+BLOCKS = [2, 3, 4, 8, 16]
+
+
+@pytest.mark.parametrize("B", BLOCKS)
+def test_align_every_accepted_length(B):
+    accepted = torch.arange(B)  # one row per a = 0 .. B-1 (a = B-1: everything accepted)
+    old, valid, corr = align(accepted, B)
+    assert old.shape == valid.shape == corr.shape == (B, B)
+    for a in range(B):
+        valid_k = [k for k in range(B) if valid[a, k]]
+        assert valid_k == list(range(1, B - 1 - a)), f"a={a}"  # k = 1 .. B-2-a
+        for k in valid_k:
+            assert int(old[a, k]) == k + a + 1  # same absolute position: p + j == p' + k
+            assert int(corr[a, k]) == k + a  # verify slot j - 1, the one that scored d_j
+            assert 1 <= int(old[a, k]) <= B - 1
+    assert not valid[:, 0].any()  # the anchor slot is never fused
+    assert not valid[B - 2:].any()  # a = B-2 and a = B-1: empty memory
+    if B >= 3:
+        assert valid[0].sum() == B - 2  # nothing accepted: all of d_2 .. d_{B-1} remembered
+
+
+def reference_features(block, verify_logits, draft_logits, j):
+    """Features of old slot j, computed directly from their definitions (one row)."""
+    d_j = int(block[j])
+    p_target = verify_logits[j - 1].softmax(-1)
+    p_draft = draft_logits[j - 1].softmax(-1)  # draft_logits[i] is block slot i + 1
+    return torch.tensor([float(int(verify_logits[j - 1].argmax()) == d_j), float(p_target[d_j]),
+                         float(p_draft[d_j])])
+
+
+@pytest.mark.parametrize("B", [4, 8, 16])
+def test_write_read_clear(B):
+    torch.manual_seed(B)
+    S, d, V = 6, 5, 11
+    mem = SuffixMemory(S, B, d)
+    accepted_all = list(range(B))
+    # ragged rows in one write, non-contiguous slots, every a including B-2 and B-1
+    for start in range(0, B, 3):
+        acc = torch.tensor(accepted_all[start:start + 3])
+        N = acc.numel()
+        slots = torch.tensor([5, 1, 3][:N])
+        hidden = torch.randn(N, B, d)
+        block = torch.randint(0, V, (N, B))
+        verify = torch.randn(N, B, V) * 3
+        draft = torch.randn(N, B - 1, V) * 3
+        # make some drafts agree with the target's argmax so both feature values occur
+        post = verify.argmax(-1)
+        block[:, 2::2] = post[:, 1:-1:2]
+        anchor_pos = torch.tensor([7, 30, 100][:N])
+        mem.write(slots, hidden, block, verify, draft, acc, anchor_pos)
+        got = mem.read(slots)
+        for n in range(N):
+            a, s = int(acc[n]), int(slots[n])
+            p_next = int(anchor_pos[n]) + a + 1
+            assert int(mem.position[s]) == p_next
+            assert int(mem.count[s]) == max(0, B - 2 - a)
+            # the verify taps of this round sit at positions p .. p+B-1 (index i <-> p + i) and are the
+            # next draft call's context: corr_index must point at position p' + k - 1
+            for k in range(B):
+                j = k + a + 1
+                if 1 <= k <= B - 2 - a:
+                    assert got.valid[n, k] == 1
+                    torch.testing.assert_close(got.memory[n, k], hidden[n, j], rtol=0, atol=0)
+                    assert int(anchor_pos[n]) + int(got.corr_index[n, k]) == p_next + k - 1
+                    torch.testing.assert_close(got.features[n, k], reference_features(block[n], verify[n], draft[n], j))
+                else:
+                    assert got.valid[n, k] == 0
+                    assert got.memory[n, k].abs().max() == 0 and got.features[n, k].abs().max() == 0
+        feats = got.features[got.valid.bool()]
+        if feats.numel():
+            assert feats.shape[-1] == len(FEATURES)
+    # release: cleared completely (a stale corr_index must not survive: the drafter gathers with it)
+    mem.write(torch.tensor([2]), torch.randn(1, B, d), torch.randint(0, V, (1, B)), torch.randn(1, B, V),
+              torch.randn(1, B - 1, V), torch.tensor([0]), torch.tensor([4]))
+    before = mem.read(torch.tensor([5]))
+    mem.clear(2)
+    cleared = mem.read(torch.tensor([2]))
+    assert cleared.valid.sum() == 0 and cleared.memory.abs().sum() == 0 and cleared.features.abs().sum() == 0
+    assert cleared.corr_index.abs().sum() == 0
+    assert int(mem.count[2]) == 0 and int(mem.position[2]) == -1
+    after = mem.read(torch.tensor([5]))  # other slots untouched
+    for x, y in zip((before.memory, before.valid, before.corr_index), (after.memory, after.valid, after.corr_index),
+                    strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+# -- end to end: what the scheduler feeds the drafter ---------------------------------------------------------
+class SuffixSpy(OracleDrafter):
+    """Checks every retrace draft call against the previous call for the same slot: the memory must be
+    that call's hidden states shifted by a + 1, the correction index must point at position p' + k - 1."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.last: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (anchor position, drafter hidden)
+        self.checked = {"rounds": 0, "valid_slots": 0, "accepted": set()}
+
+    def target(self, slots, input_ids, positions, logits_index):
+        if bool((positions[:, 0] == 0).all()):  # prefill: a new request in these slots
+            for s in slots.tolist():
+                self.last.pop(s, None)
+        return super().target(slots, input_ids, positions, logits_index)
+
+    def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
+        B = block_ids.shape[1]
+        for n, s in enumerate(slots.tolist()):
+            p_new = int(block_positions[n, 0])
+            if s not in self.last:  # first round of a request: empty memory
+                assert suffix.valid[n].sum() == 0
+                continue
+            p_old, h_old = self.last[s]
+            a = p_new - p_old - 1
+            assert 0 <= a <= B - 1
+            self.checked["accepted"].add(a)
+            for k in range(B):
+                if 1 <= k <= B - 2 - a:
+                    assert suffix.valid[n, k] == 1
+                    torch.testing.assert_close(suffix.memory[n, k], h_old[k + a + 1], rtol=0, atol=0)
+                    assert int(ctx_positions[n, int(suffix.corr_index[n, k])]) == p_new + k - 1
+                    self.checked["valid_slots"] += 1
+                else:
+                    assert suffix.valid[n, k] == 0
+            self.checked["rounds"] += 1
+        hidden, logits = super().draft(slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix)
+        for n, s in enumerate(slots.tolist()):
+            self.last[s] = (int(block_positions[n, 0]), hidden[n].clone())
+        return hidden, logits
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    with single_thread():
+        root = tmp_path_factory.mktemp("suffix")
+        target, drafter = write_pair(root, vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=48,
+                                     block_size=8, tokenizer=False, seed=1)
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 63, (n,), generator=g).tolist() for n in (4, 1, 9, 2, 6)]
+        rt = Runtime.from_dirs(target, drafter, max_batch=8, max_seq_len=128)
+        ref = rt.generate(prompts, SamplingParams(max_new_tokens=60), "ar")  # == transformers (greedy tests)
+        seqs = {tuple(p): p + r.token_ids for p, r in zip(prompts, ref, strict=True)}
+        yield target, drafter, prompts, seqs
+
+
+def test_scheduler_feeds_aligned_memory(pair):
+    target, drafter, prompts, seqs = pair
+    with single_thread():
+        spy = SuffixSpy(TorchBackend.from_dirs(target, drafter, max_batch=3, max_seq_len=128), seqs, seed=5)
+        rt = Runtime(spy)  # 5 requests in 3 slots: slots are reused by new requests mid-run
+        sched = rt.scheduler()
+        reqs = [sched.add(p, SamplingParams(max_new_tokens=40), "retrace") for p in prompts]
+        anchor_before: dict[int, int] = {}
+        while sched.has_work:
+            sched.step()
+            for r in sched.running.values():  # position bookkeeping after every round
+                if r.rid in anchor_before:
+                    a = r.anchor_pos - anchor_before[r.rid] - 1
+                    assert int(sched.memory.position[r.slot]) == r.anchor_pos
+                    assert int(sched.memory.count[r.slot]) == max(0, 8 - 2 - a)
+                anchor_before[r.rid] = r.anchor_pos
+        # released slots are empty
+        assert sched.memory.valid.sum() == 0 and sched.memory.count.sum() == 0
+        assert (sched.memory.position == -1).all()
+    for r, p in zip(reqs, prompts, strict=True):
+        assert r.output_ids == seqs[tuple(p)][len(p):len(p) + 40]
+    assert spy.checked["accepted"] == set(range(8))  # including a = B-2 and all-accepted
+    assert spy.checked["valid_slots"] > 0 and spy.checked["rounds"] > 20
