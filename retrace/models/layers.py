@@ -42,9 +42,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# How `attention` appears in an ONNX export (set by retrace.export.onnx_export, read only while
+# torch.onnx.is_in_onnx_export()): "native" = one opset-23 `Attention` node per layer,
+# "decomposed" = MatMul/Softmax over explicitly repeated KV heads. Eager numerics never depend on it.
+ONNX_ATTENTION = "native"
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [N,H,T,hd], k/v [N,Hkv,S,hd], mask [N,1,T,S] bool (True = attend). Returns [N,H,T,hd]."""
+    if torch.onnx.is_in_onnx_export():
+        if ONNX_ATTENTION == "native":
+            return torch.onnx.ops.attention(q, k, v, attn_mask=mask)[0]
+        return _attention_decomposed(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _attention_decomposed(q, k, v, mask):
+    """The same attention as plain MatMul/Softmax (the export's "decomposed" form)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
 
 
 class Attention(nn.Module):

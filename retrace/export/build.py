@@ -1,0 +1,462 @@
+"""`retrace-export build`: target + drafter directories -> a verified engine bundle, atomically.
+
+Stages (each shown with its time): check inputs, load models, export the target graph, export the
+drafter graph, onnx.checker + structure checks, ONNX Runtime parity against torch, the backend's own
+stage (none for onnxruntime; `retrace.export.tensorrt:build_tensorrt` for tensorrt), tokenizer, hashes
+and manifest, then the rename into place.
+
+Atomicity: everything is written to a hidden temp directory beside the output (`.NAME.building-PID-XXXX`)
+and renamed to the output path at the very end. Any error, Ctrl-C or SIGTERM removes the temp directory,
+so the output path either keeps what it had before or holds a complete, verified bundle. An existing
+output is replaced only with `force=True`, and only if it is a bundle or an empty directory (never some
+other directory given by mistake).
+
+Extension point for other backends: BACKEND_HOOKS maps a backend name to "module:function"; the function
+is called as `fn(ctx: BuildContext)` after the ONNX graphs are written, checked and parity-tested, inside
+the temp directory. It may add files under `ctx.staging` (they are hashed into the manifest
+automatically), add manifest sections (`ctx.manifest["engines"] = {...}`), and show its own stages with
+`with ctx.stage("build TensorRT engine"): ...`. Raising aborts the build and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retrace.engines.bundle import FORMAT, MANIFEST, read_manifest, retrace_version, write_manifest
+from retrace.errors import MissingDependencyError, RetraceError
+
+# backend -> "module:function" run after the ONNX stages (None: the ONNX graphs are the engine)
+BACKEND_HOOKS: dict[str, str | None] = {
+    "onnxruntime": None,
+    "tensorrt": "retrace.export.build:tensorrt_hook",
+}
+DTYPES = ("float32", "float16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model")
+
+
+class BuildError(RetraceError):
+    """The build cannot start or did not finish (nothing was left at the output path)."""
+
+
+@dataclass
+class BuildOptions:
+    target: Path
+    drafter: Path | None
+    out: Path
+    backend: str = "onnxruntime"
+    dtype: str = "float32"
+    max_batch: int = 8
+    max_seq_len: int | None = None  # default: min(2048, the target's max_position_embeddings)
+    block_size: int | None = None  # default: the drafter's
+    force: bool = False
+    attention: str = "native"
+    tolerance: float | None = None  # default: onnx_parity.TOLERANCE[dtype]
+    backend_options: dict[str, Any] = field(default_factory=dict)  # for hooks (e.g. TensorRT profiles)
+
+    def __post_init__(self):
+        self.target = Path(self.target)
+        self.drafter = Path(self.drafter) if self.drafter is not None else None
+        self.out = Path(self.out)
+
+
+@dataclass
+class BuildContext:
+    """What a backend hook sees (see the module docstring)."""
+
+    options: BuildOptions
+    staging: Path
+    manifest: dict
+    target: Any = None  # retrace.models.target.Qwen3Target (torch, loaded in options.dtype)
+    drafter: Any = None  # retrace.models.drafter.DFlashDrafter | None
+    graphs: dict = field(default_factory=dict)  # name -> retrace.export.onnx_export.ExportedGraph
+    reporter: Any = None
+
+    def stage(self, name: str):
+        return self.reporter.stage(name)
+
+
+@dataclass
+class BuildResult:
+    out: Path
+    manifest: dict
+    seconds: float
+    stages: list[tuple[str, float]]
+
+
+# -- progress ------------------------------------------------------------------------------------------------
+class Reporter:
+    """Per-stage progress on a rich console (a spinner while running, a line with the time when done)."""
+
+    def __init__(self, console=None, quiet: bool = False):
+        from rich.console import Console
+
+        self.console = console or Console(stderr=True)
+        self.quiet = quiet
+        self.stages: list[tuple[str, float]] = []
+        self._notes: list[str] = []
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        t0 = time.perf_counter()
+        self._notes: list[str] = []
+        status = self.console.status(f"{name} ...") if not self.quiet else contextlib.nullcontext()
+        try:
+            with status:
+                yield
+        except BaseException:
+            if not self.quiet:
+                self.console.print(f"[red]✗[/red] {name} [dim]({time.perf_counter() - t0:.1f} s)[/dim]")
+            raise
+        dt = time.perf_counter() - t0
+        self.stages.append((name, dt))
+        if not self.quiet:
+            self.console.print(f"[green]✓[/green] {name} [dim]({dt:.1f} s)[/dim]")
+            for text in self._notes:
+                self.console.print(f"    [dim]{text}[/dim]")
+        self._notes = []
+
+    def note(self, text: str) -> None:
+        """A detail line shown under the current stage's line."""
+        self._notes.append(text)
+
+
+# -- output path handling -------------------------------------------------------------------------------------
+_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(building|replaced)-(?P<pid>\d+)-")
+
+
+def _is_replaceable(path: Path) -> bool:
+    """True for an empty directory or a directory holding a retrace bundle manifest."""
+    if not path.is_dir():
+        return False
+    if not any(path.iterdir()):
+        return True
+    try:
+        read_manifest(path)
+        return True
+    except RetraceError:
+        m = path / MANIFEST
+        return m.is_file() and FORMAT in m.read_text(errors="replace")[:4096]
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise BuildError(f"{out} already exists; pass --force to replace it")
+        if not _is_replaceable(out):
+            raise BuildError(f"{out} exists and is not an engine bundle (or an empty directory); refusing to "
+                             "replace it even with --force: choose another --out")
+
+
+def _clean_stale(parent: Path, name: str) -> None:
+    """Remove temp directories of builds of the same output that were killed (their PID is gone)."""
+    for p in parent.glob(f".{name}.*-*"):
+        m = _STAGING_RE.match(p.name)
+        if not m or m.group("name") != name or not p.is_dir():
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def _swap_into_place(staging: Path, out: Path, force: bool) -> None:
+    if not (out.exists() or out.is_symlink()):
+        os.rename(staging, out)
+        return
+    _check_output(out, force)  # re-check: something may have appeared during the build
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-{os.getpid()}-", dir=out.parent))
+    old.rmdir()
+    os.rename(out, old)
+    try:
+        os.rename(staging, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (e.g. a CI timeout) cleans up like Ctrl-C does."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# -- the build -----------------------------------------------------------------------------------------------
+def _versions() -> dict:
+    out = {"retrace": retrace_version()}
+    for mod in ("torch", "onnx", "onnxscript", "onnxruntime", "transformers"):
+        try:
+            out[mod] = importlib.import_module(mod).__version__
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    return out
+
+
+def _resolve_hook(backend: str):
+    if backend not in BACKEND_HOOKS:
+        raise BuildError(f"unknown backend {backend!r} (choose from {', '.join(BACKEND_HOOKS)})")
+    spec = BACKEND_HOOKS[backend]
+    if spec is None:
+        return None
+    module, fn = spec.split(":")
+    try:
+        hook = getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise MissingDependencyError(f"backend {backend!r} is not available in this installation ({e})") from None
+    precheck = getattr(hook, "precheck", None)
+    if precheck is not None:  # fail before the (long) ONNX stages, e.g. when TensorRT is not installed
+        precheck()
+    return hook
+
+
+def _validate(opts: BuildOptions):
+    """Everything that can be checked before any heavy work; returns (target config, drafter config)."""
+    from retrace.models.conditioner import ReTraceConditioner
+    from retrace.models.config import DrafterConfig, Qwen3Config
+
+    if opts.dtype not in DTYPES:
+        raise BuildError(f"unknown dtype {opts.dtype!r} (choose from {', '.join(DTYPES)})")
+    if opts.max_batch < 1:
+        raise BuildError(f"--max-batch must be >= 1, got {opts.max_batch}")
+    if opts.attention not in ("native", "decomposed"):
+        raise BuildError(f"unknown attention form {opts.attention!r} (native or decomposed)")
+    tcfg = Qwen3Config.from_dir(opts.target)
+    if opts.max_seq_len is None:
+        opts.max_seq_len = min(2048, tcfg.max_position_embeddings)
+    if opts.max_seq_len < 2:
+        raise BuildError(f"--max-seq-len must be >= 2, got {opts.max_seq_len}")
+    if opts.max_seq_len > tcfg.max_position_embeddings:
+        raise BuildError(f"--max-seq-len {opts.max_seq_len} exceeds the target's max_position_embeddings "
+                         f"{tcfg.max_position_embeddings} ({opts.target / 'config.json'})")
+    dcfg = None
+    if opts.drafter is not None:
+        dcfg = DrafterConfig.from_dir(opts.drafter)
+        dcfg.check_fits(tcfg, opts.drafter / "config.json")
+        block = opts.block_size or dcfg.block_size
+        if not 2 <= block <= dcfg.block_size:
+            raise BuildError(f"--block-size {block} must be in 2..{dcfg.block_size} (the drafter's block_size)")
+        if block + 1 >= opts.max_seq_len:
+            raise BuildError(f"--max-seq-len {opts.max_seq_len} leaves no room for a block of {block}")
+        if ReTraceConditioner.exists(opts.drafter):  # read its config now: a broken one fails fast
+            from retrace.models.config import read_json
+
+            read_json(opts.drafter / "retrace_config.json")
+    elif opts.block_size is not None:
+        raise BuildError("--block-size needs --drafter")
+    return tcfg, dcfg
+
+
+def build_bundle(opts: BuildOptions, reporter: Reporter | None = None) -> BuildResult:
+    """Build the bundle described by opts (see the module docstring). Raises RetraceError subclasses for
+    problems the user can fix; the output path is untouched unless the build succeeds."""
+    reporter = reporter or Reporter(quiet=True)
+    t_start = time.perf_counter()
+    out = Path(os.path.abspath(opts.out))
+    hook = _resolve_hook(opts.backend)
+    with reporter.stage("check inputs"):
+        tcfg, dcfg = _validate(opts)
+        _check_output(out, opts.force)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale(out.parent, out.name)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-{os.getpid()}-", dir=out.parent))
+    try:
+        with _sigterm_as_interrupt():
+            manifest = _build_into(staging, opts, tcfg, dcfg, hook, reporter)
+            with reporter.stage("move into place"):
+                _swap_into_place(staging, out, opts.force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return BuildResult(out, manifest, time.perf_counter() - t_start, list(reporter.stages))
+
+
+def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: Reporter) -> dict:
+    import torch
+
+    from retrace.export import onnx_export, onnx_parity
+    from retrace.models.drafter import load_pair
+
+    t0 = time.perf_counter()
+    dtype = {"float32": torch.float32, "float16": torch.float16}[opts.dtype]
+    block = (opts.block_size or dcfg.block_size) if dcfg is not None else None
+    tolerance = opts.tolerance if opts.tolerance is not None else onnx_parity.TOLERANCE[opts.dtype]
+    ctx = BuildContext(opts, staging, {}, reporter=reporter)
+
+    with reporter.stage(f"load models ({opts.dtype})"):
+        if dcfg is None:
+            from retrace.models.target import Qwen3Target
+
+            # a target-only bundle (ar mode): still tap the middle layer so the graph I/O is uniform
+            target, drafter = Qwen3Target.from_pretrained(opts.target, (tcfg.num_hidden_layers // 2,), dtype), None
+        else:
+            target, drafter = load_pair(opts.target, opts.drafter, dtype=dtype)
+        ctx.target, ctx.drafter = target, drafter
+
+    with reporter.stage(f"export target graph ({tcfg.num_hidden_layers} layers, {opts.attention} attention)"):
+        ctx.graphs["target"] = export_target_graph(target, staging / "target", opts.attention)
+        reporter.note(f"{ctx.graphs['target'].node_count} nodes")
+    if drafter is not None:
+        what = "ReTrace" if drafter.conditioner is not None else "DFlash"
+        with reporter.stage(f"export drafter graph ({what}, {dcfg.layers.num_hidden_layers} layers)"):
+            ctx.graphs["drafter"] = export_drafter_graph(drafter, staging / "drafter", opts.attention)
+            reporter.note(f"{ctx.graphs['drafter'].node_count} nodes, "
+                          f"{ctx.graphs['drafter'].custom_nodes} retrace::GatedSuffixFusion")
+
+    with reporter.stage("check graphs (onnx.checker)"):
+        onnx_export.check_graph(ctx.graphs["target"].path, "target", expect_fusion_nodes=0)
+        if drafter is not None:
+            onnx_export.check_graph(ctx.graphs["drafter"].path, "drafter",
+                                    expect_fusion_nodes=1 if drafter.conditioner is not None else 0)
+
+    parity: dict[str, Any] = {"tolerance": tolerance, "rule": "max|ort-torch| <= tolerance * max(1, max|logits|)"}
+    with reporter.stage("parity: target in ONNX Runtime vs torch"):
+        parity["target"] = run_parity("target", target, ctx.graphs["target"].path, block or 16, tolerance)
+        reporter.note(_parity_note(parity["target"]))
+    if drafter is not None:
+        with reporter.stage("parity: drafter in ONNX Runtime vs torch"):
+            parity["drafter"] = run_parity("drafter", drafter, ctx.graphs["drafter"].path, block, tolerance)
+            reporter.note(_parity_note(parity["drafter"]))
+
+    with reporter.stage("tokenizer"):
+        tok = _copy_tokenizer(opts.target, staging / "tokenizer")
+        reporter.note(f"copied {', '.join(tok)}" if tok else "no tokenizer files in the target directory "
+                      "(generate with token ids)")
+
+    ctx.manifest = _manifest(opts, tcfg, dcfg, drafter, block, ctx.graphs, parity, tok)
+    if hook is not None:
+        hook(ctx)  # the backend's own stages (they use ctx.stage)
+
+    with reporter.stage("hash files + write manifest"):
+        ctx.manifest["build"]["seconds"] = round(time.perf_counter() - t0, 2)
+        manifest = write_manifest(staging, ctx.manifest)
+    return manifest
+
+
+# Indirections the tests monkeypatch (to interrupt a build mid-way without paying for a real export).
+def export_target_graph(target, out_dir: Path, attention: str):
+    from retrace.export.onnx_export import export_target
+
+    return export_target(target, out_dir, attention)
+
+
+def export_drafter_graph(drafter, out_dir: Path, attention: str):
+    from retrace.export.onnx_export import export_drafter
+
+    return export_drafter(drafter, out_dir, attention)
+
+
+def run_parity(name: str, model, path: Path, block: int, tolerance: float) -> dict:
+    from retrace.export import onnx_parity
+
+    fn = onnx_parity.target_parity if name == "target" else onnx_parity.drafter_parity
+    results = fn(model, path, block)
+    worst = onnx_parity.check(results, tolerance, name)
+    return {"cases": results, "max_scaled_logits_diff": worst}
+
+
+def tensorrt_hook(ctx: BuildContext) -> None:
+    """--backend tensorrt: TensorRT plans from the bundle's ONNX graphs (retrace.export.tensorrt), written
+    to BUNDLE/tensorrt/ and listed in the manifest's "engines" section. The ONNX graphs stay in the
+    bundle (the onnxruntime backend can still run it). ctx.options.backend_options go to build_tensorrt."""
+    from retrace.export.tensorrt import build_tensorrt
+
+    o = ctx.options
+    with ctx.stage("build TensorRT engines"):
+        written = build_tensorrt(ctx.staging, ctx.staging / "tensorrt", max_batch=o.max_batch,
+                                 max_seq_len=o.max_seq_len, block_size=ctx.manifest["limits"]["block_size"],
+                                 dtype={"float32": "auto", "float16": "fp16"}[o.dtype], **o.backend_options)
+    ctx.manifest["engines"] = {"tensorrt": {k: Path(p).relative_to(ctx.staging).as_posix()
+                                            for k, p in written.items()}}
+
+
+def _tensorrt_precheck() -> None:
+    from retrace.plugins.errors import require_tensorrt
+
+    require_tensorrt("Building TensorRT engines (retrace-export build --backend tensorrt)")
+
+
+tensorrt_hook.precheck = _tensorrt_precheck
+
+
+def _parity_note(p: dict) -> str:
+    return "max |Δlogits| " + ", ".join(f"{k} {v['logits']:.1e}" for k, v in p["cases"].items())
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    found = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if found:
+        dst.mkdir(parents=True, exist_ok=True)
+        for n in found:
+            shutil.copy2(src / n, dst / n)
+    return found
+
+
+def _read_json_or_none(path: Path):
+    import json
+
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _manifest(opts: BuildOptions, tcfg, dcfg, drafter, block, graphs, parity, tok) -> dict:
+    models: dict[str, Any] = {
+        "target": {
+            "config": _read_json_or_none(opts.target / "config.json"),
+            "generation_config": _read_json_or_none(opts.target / "generation_config.json"),
+            "eos_token_ids": list(tcfg.eos_token_ids),
+            "tap_layers": list(dcfg.target_layer_ids) if dcfg is not None else [tcfg.num_hidden_layers // 2],
+            "source": str(opts.target.resolve()),
+            "summary": dataclasses.asdict(tcfg.layers) | {"vocab_size": tcfg.vocab_size},
+        },
+        "drafter": None,
+        "conditioner": None,
+    }
+    if dcfg is not None:
+        models["drafter"] = {"config": dcfg.to_zlab_dict(), "source": str(opts.drafter.resolve()),
+                             "summary": dataclasses.asdict(dcfg.layers) | {
+                                 "block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
+                                 "target_layer_ids": list(dcfg.target_layer_ids)}}
+        if drafter is not None and drafter.conditioner is not None:
+            models["conditioner"] = {"config": drafter.conditioner.config_dict(), "op": "retrace::GatedSuffixFusion"}
+    return {
+        "format": FORMAT,
+        "retrace_version": retrace_version(),
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "backend": opts.backend,
+        "dtype": opts.dtype,
+        "limits": {"max_batch": opts.max_batch, "max_seq_len": opts.max_seq_len, "block_size": block},
+        "models": models,
+        "graphs": {name: {"path": f"{name}/{g.path.name}", "data": f"{name}/{g.data_path.name}" if g.data_path else None,
+                          **g.summary()} for name, g in graphs.items()},
+        "parity": parity,
+        "tokenizer": {"dir": "tokenizer", "files": tok} if tok else None,
+        "build": {"versions": _versions(), "attention": opts.attention, "opset": 23},
+    }

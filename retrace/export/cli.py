@@ -1,0 +1,207 @@
+"""`retrace-export`: build engine bundles and inspect them.
+
+    retrace-export build --target DIR --drafter DIR --out BUNDLE [--backend onnxruntime] [--dtype ...]
+    retrace-export inspect BUNDLE [--json] [--quick]
+
+Further subcommands register on `main` (a click group), e.g. `@main.command("triton")` in this module or
+`main.add_command(cmd)` from elsewhere. Backends plug into `build` through
+`retrace.export.build.BACKEND_HOOKS`; `--backend` offers every key of that table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from retrace.errors import RetraceError
+
+
+def cli_errors(fn):
+    """User errors -> one line on stderr and exit code 2 (3 for a missing optional dependency); Ctrl-C ->
+    exit code 130 after the build has cleaned up."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from retrace.plugins.errors import RetraceMissingDependency
+
+        try:
+            return fn(*args, **kwargs)
+        except RetraceMissingDependency as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except RetraceError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted: nothing was written", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="retrace")
+def main() -> None:
+    """Export ReTrace/DFlash + Qwen3 checkpoints to deployable engine bundles."""
+
+
+def _backends() -> list[str]:
+    from retrace.export.build import BACKEND_HOOKS
+
+    return list(BACKEND_HOOKS)
+
+
+@main.command()
+@click.option("--target", "target", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Qwen3 target (HF directory)")
+@click.option("--drafter", "drafter", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="DFlash drafter directory (with retrace_config.json/retrace.safetensors for ReTrace); "
+                   "omit for a target-only (autoregressive) bundle")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="bundle directory to create")
+@click.option("--backend", type=click.Choice(_backends()), default="onnxruntime", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
+@click.option("--max-batch", type=int, default=8, show_default=True, help="most concurrent requests")
+@click.option("--max-seq-len", type=int, default=None,
+              help="prompt + output tokens per request [default: min(2048, target's max_position_embeddings)]")
+@click.option("--block-size", type=int, default=None, help="draft block size (default and maximum at run "
+              "time; default: the drafter's)")
+@click.option("--attention", type=click.Choice(["native", "decomposed"]), default="native", show_default=True,
+              help="opset-23 Attention/RMSNormalization nodes, or MatMul/Softmax for older runtimes")
+@click.option("--tolerance", type=float, default=None,
+              help="parity tolerance on logits (default 1e-4 float32, 3e-2 float16; scaled by max(1, max|logit|))")
+@click.option("--force", is_flag=True, help="replace an existing bundle at --out")
+@click.option("--quiet", "-q", is_flag=True, help="no progress output (the summary is still printed)")
+@cli_errors
+def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_size, attention, tolerance, force,
+          quiet) -> None:
+    """Export, check and package a target (+ drafter) as an engine bundle.
+
+    The bundle is built in a temp directory beside --out and renamed into place only when every check
+    passed; an error or Ctrl-C leaves nothing behind."""
+    from rich.console import Console
+
+    from retrace.export.build import BuildOptions, Reporter, build_bundle
+
+    console = Console(stderr=True)
+    opts = BuildOptions(target=target, drafter=drafter, out=out, backend=backend, dtype=dtype, max_batch=max_batch,
+                        max_seq_len=max_seq_len, block_size=block_size, force=force, attention=attention,
+                        tolerance=tolerance)
+    if not quiet:
+        console.print(f"[bold]retrace-export build[/bold] {target} + {drafter or '(no drafter)'} -> {out} "
+                      f"[dim]({backend}, {dtype})[/dim]")
+    result = build_bundle(opts, Reporter(console, quiet=quiet))
+    _summary(result.out, result.manifest, result.seconds)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _summary(out: Path, manifest: dict, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"engine bundle {out}", show_lines=False)
+    table.add_column("file")
+    table.add_column("size", justify="right")
+    table.add_column("sha256")
+    total = 0
+    for rel, meta in manifest["files"].items():
+        table.add_row(rel, _size(meta["size"]), meta["sha256"][:16])
+        total += meta["size"]
+    console.print(table)
+    lim = manifest["limits"]
+    par = manifest.get("parity") or {}
+    worst = max((par[g]["max_scaled_logits_diff"] for g in ("target", "drafter") if g in par), default=None)
+    console.print(f"{len(manifest['files'])} files, {_size(total)}, built in {seconds:.1f} s; backend "
+                  f"{manifest['backend']}, {manifest['dtype']}, max_batch {lim['max_batch']}, max_seq_len "
+                  f"{lim['max_seq_len']}, block_size {lim['block_size']}"
+                  + (f"; parity max |Δlogits| {worst:.1e} (tolerance {par['tolerance']:g})" if worst is not None else ""))
+    modes = "ar, dflash, retrace" if manifest["models"].get("conditioner") else (
+        "ar, dflash" if manifest["models"].get("drafter") else "ar")
+    console.print(f"run it: retrace generate --engine {out} --prompt ...  (modes: {modes})")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON (still verifies)")
+@click.option("--quick", is_flag=True, help="check file presence and sizes only (no hashing)")
+@cli_errors
+def inspect(bundle: Path, as_json: bool, quick: bool) -> None:
+    """Print a bundle's manifest and verify every file's sha256 (exit 1 on any mismatch)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from retrace.engines.bundle import check_files, read_manifest
+
+    m = read_manifest(bundle)
+    checks = check_files(bundle, m, full=not quick)
+    bad = [c for c in checks if not c.ok and c.status != "unlisted"]
+    unlisted = [c for c in checks if c.status == "unlisted"]
+    if as_json:
+        click.echo(json.dumps({**m, "verification": {c.path: c.status for c in checks}}, indent=2))
+    else:
+        console = Console()
+        console.print(f"[bold]{bundle}[/bold]: {m['format']} v{m['format_version']}, retrace {m.get('retrace_version')}, "
+                      f"built {m.get('created_utc')}")
+        console.print(f"backend {m.get('backend')}, dtype {m.get('dtype')}, limits {json.dumps(m.get('limits'))}")
+        models = m.get("models") or {}
+        for name in ("target", "drafter", "conditioner"):
+            info = models.get(name)
+            if info is None:
+                console.print(f"{name}: none")
+                continue
+            summary = info.get("summary") or info.get("config")
+            console.print(f"{name}: {json.dumps(summary)}")
+        if models.get("target"):
+            console.print(f"eos_token_ids: {models['target'].get('eos_token_ids')}")
+        for name, g in (m.get("graphs") or {}).items():
+            console.print(f"graph {name}: {g['path']} ({g.get('nodes')} nodes, {g.get('attention')} attention, "
+                          f"opset {g.get('opset')}); inputs {', '.join(_short(g['inputs']))}; "
+                          f"outputs {', '.join(_short(g['outputs']))}")
+        par = m.get("parity") or {}
+        for name in ("target", "drafter"):
+            if name in par:
+                cases = ", ".join(f"{k} {v['logits']:.1e}" for k, v in par[name]["cases"].items())
+                console.print(f"parity {name} (max |Δlogits| ORT vs torch at build): {cases}")
+        table = Table(title="files")
+        for col in ("file", "size", "sha256", "status"):
+            table.add_column(col)
+        for c in checks:
+            meta = m["files"].get(c.path, {})
+            style = {"ok": "green", "unchecked": "yellow", "unlisted": "yellow"}.get(c.status, "red")
+            table.add_row(c.path, _size(meta["size"]) if meta else "-", (meta.get("sha256") or "-")[:16],
+                          f"[{style}]{c.status}[/{style}]")
+        console.print(table)
+    if unlisted:
+        click.echo(f"warning: {len(unlisted)} file(s) not in the manifest: {', '.join(c.path for c in unlisted)}",
+                   err=True)
+    if bad:
+        click.echo(f"error: {len(bad)} file(s) do not match the manifest: "
+                   + ", ".join(f"{c.path} ({c.status})" for c in bad), err=True)
+        sys.exit(1)
+    if not as_json:
+        click.echo("all files match the manifest" + (" (sizes only: --quick)" if quick else " (sha256)"), err=True)
+
+
+def _short(names: list[str]) -> list[str]:
+    """past_key_0 .. past_value_{L-1} -> one entry."""
+    kv = [n for n in names if n.startswith(("past_", "new_"))]
+    rest = [n for n in names if n not in kv]
+    if kv:
+        prefix = kv[0].split("_")[0]
+        rest.append(f"{prefix}_key/value_0..{len(kv) // 2 - 1}")
+    return rest
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Build-time self-check: run the exported graphs in ONNX Runtime against the torch modules.
+
+The cases are the shapes the runtime uses: target prefill (P = 0, ragged past), decode (T = 1) and verify
+(T = block); drafter first round (context = prompt, no past), a later round (context = block, with past),
+with suffix inputs (ReTrace) and without (valid = 0 on a ReTrace graph must equal torch's suffix=None).
+The check is on logits: max |ORT - torch| <= tolerance * max(1, max |torch logits|), i.e. an absolute
+tolerance for logits of order 1, relative for larger ones (real checkpoints have logits of 10-40, where
+fp32 reordering alone reaches ~1e-5 relative). Taps, hidden states and K/V differences are reported too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrace.errors import RetraceError
+from retrace.export.onnx_export import drafter_inputs, drafter_io, target_inputs, target_io
+from retrace.models.drafter import DFlashDrafter, SuffixInputs
+from retrace.models.target import Qwen3Target
+
+TOLERANCE = {"float32": 1e-4, "float16": 3e-2}
+
+
+class ParityError(RetraceError):
+    """ONNX Runtime's output differs from the torch module's beyond the tolerance."""
+
+
+def session(path: str | Path, threads: int | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _diff(a, b: torch.Tensor) -> float:
+    a = np.asarray(a, dtype=np.float32)
+    b = b.detach().float().numpy()
+    return float(np.abs(a - b).max()) if a.size else 0.0
+
+
+def _case(ort_out: list, ref: tuple[torch.Tensor, ...], names: list[str]) -> dict:
+    logits = _diff(ort_out[names.index("logits")], ref[0])
+    second = "taps" if "taps" in names else "hidden"
+    kv = max((_diff(o, r) for o, r in zip(ort_out[2:], ref[2:], strict=True)), default=0.0)
+    return {"logits": logits, second: _diff(ort_out[names.index(second)], ref[1]), "kv": kv,
+            "scale": float(ref[0].detach().float().abs().max()) if ref[0].numel() else 0.0}
+
+
+def target_parity(target: Qwen3Target, path: str | Path, block_size: int = 16, sess=None) -> dict:
+    sess = sess or session(path)
+    L = target.config.num_hidden_layers
+    names_in, names_out = target_io(L)
+    cases = {
+        "prefill": dict(N=2, T=7, P=0, K=7),
+        "decode": dict(N=2, T=1, P=9, K=1),
+        "verify": dict(N=2, T=block_size, P=9, K=block_size),
+    }
+    out = {}
+    for i, (name, c) in enumerate(cases.items()):
+        args = target_inputs(target, c["N"], c["T"], c["P"], c["K"], seed=100 + i)
+        with torch.no_grad():
+            logits, taps, nk, nv = target(args[0], args[1], list(args[4::2]), list(args[5::2]), args[2], args[3])
+        ref = (logits, taps, *[t for kv in zip(nk, nv, strict=True) for t in kv])
+        got = sess.run(names_out, {n: a.numpy() for n, a in zip(names_in, args, strict=True)})
+        out[name] = _case(got, ref, names_out)
+    return out
+
+
+def drafter_parity(drafter: DFlashDrafter, path: str | Path, block_size: int = 16, sess=None) -> dict:
+    sess = sess or session(path)
+    L = drafter.config.layers.num_hidden_layers
+    has_suffix = drafter.conditioner is not None
+    names_in, names_out = drafter_io(L, has_suffix)
+    B = block_size
+    cases = {"first_round": dict(C=7, P=0, suffix=False), "dflash": dict(C=B, P=9, suffix=False)}
+    if has_suffix:
+        cases["retrace"] = dict(C=B, P=9, suffix=True)
+    out = {}
+    for i, (name, c) in enumerate(cases.items()):
+        args = drafter_inputs(drafter, 2, c["C"], B, c["P"], suffix=has_suffix, seed=200 + i,
+                              valid_all_zero=not c["suffix"])
+        n = 5 + 2 * L
+        suffix = SuffixInputs(*args[n:]) if c["suffix"] else None  # torch: None; graph: valid = 0
+        with torch.no_grad():
+            hidden, logits, nk, nv = drafter(args[0], args[1], list(args[5:n:2]), list(args[6:n:2]), args[4],
+                                             args[2], args[3], suffix)
+        ref = (logits, hidden, *[t for kv in zip(nk, nv, strict=True) for t in kv])
+        got = sess.run(names_out, {nm: a.numpy() for nm, a in zip(names_in, args, strict=True)})
+        got = [got[1], got[0], *got[2:]]  # logits first, like ref
+        out[name] = _case(got, ref, ["logits", "hidden", *names_out[2:]])
+    return out
+
+
+def check(results: dict[str, dict], tolerance: float, graph: str) -> float:
+    """Raise ParityError for the worst case beyond tolerance; returns the worst scaled logits error."""
+    worst_name, worst = None, 0.0
+    for name, r in results.items():
+        err = r["logits"] / max(1.0, r["scale"])
+        if err > worst:
+            worst_name, worst = name, err
+    if worst > tolerance:
+        r = results[worst_name]
+        raise ParityError(
+            f"{graph} graph parity check failed: ONNX Runtime's logits differ from torch's by {r['logits']:.3g} "
+            f"(max |logit| {r['scale']:.3g}) in the {worst_name} case, tolerance {tolerance:g} x max(1, max |logit|). "
+            "The exported graph does not compute what the checkpoint does; this is a bug in the exporter or in "
+            "onnxruntime (try --attention decomposed, or report it with this message)")
+    return worst

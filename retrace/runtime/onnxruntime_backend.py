@@ -1,0 +1,278 @@
+"""The ONNX Runtime backend: runs an engine bundle's target and drafter graphs (retrace-export build).
+
+Caches: per layer one preallocated K and one V array [max_batch, Hkv, max_seq_len, hd] per model, indexed
+by absolute position exactly like the torch backend's KVCache (docs/INTERFACES.md): a call at positions
+p..p+T-1 writes the new K/V there and attends to entries < p.
+
+Every call goes through ONNX Runtime's IO binding over raw pointers, so nothing is converted or copied on
+the way in or out: outputs land in freshly allocated torch tensors that the loop receives as they are.
+The one copy left is the past a call actually needs: the graphs take past K/V as dense [N,Hkv,P,hd], and
+a cache slice [slots, :, :P] is strided whenever P < max_seq_len, so it is gathered into a reusable
+staging buffer (P = the longest past in the batch, not max_seq_len). `kv_mode="full"` binds the whole
+cache of a contiguous slot range instead (no copy, but every call attends over max_seq_len masked
+entries); benchmarks/ort_vs_torch.py measures both, and "gather" is the default because it wins at
+every length up to max_seq_len on the CPU (see the README).
+
+Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
+explicitly). Inputs and outputs stay in host memory (ONNX Runtime copies them to and from the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrace.engines.bundle import Bundle, BundleError
+from retrace.errors import MissingDependencyError, RetraceError
+from retrace.models.config import DrafterConfig, Qwen3Config
+from retrace.models.drafter import SuffixInputs
+from retrace.runtime.backend import contiguous_range
+
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+       "tensor(double)": np.float64, "tensor(bfloat16)": None}
+_TORCH = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.float64: torch.float64}
+KV_MODES = ("gather", "full")
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"the onnxruntime backend needs the 'onnxruntime' package ({e}); install it with "
+            "pip install 'retrace[onnx]' (or onnxruntime-gpu for CUDA)") from None
+    return onnxruntime
+
+
+def default_providers() -> list[str]:
+    avail = _ort().get_available_providers()
+    return (["CUDAExecutionProvider"] if "CUDAExecutionProvider" in avail else []) + ["CPUExecutionProvider"]
+
+
+class _Cache:
+    """K/V [S, Hkv, L, hd] per layer (numpy memory, torch views), plus a staging area for dense pasts."""
+
+    def __init__(self, layers: int, slots: int, heads: int, length: int, head_dim: int, dtype: torch.dtype):
+        shape = (slots, heads, length, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.heads, self.head_dim, self.length = heads, head_dim, length
+        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=dtype) for _ in range(2 * layers)]
+
+    def past(self, slots: torch.Tensor, length: int, mode: str) -> list[torch.Tensor]:
+        """Dense past K/V [N, Hkv, length, hd] per layer, interleaved k0, v0, k1, v1, ..."""
+        rows = contiguous_range(slots)
+        caches = [t for kv in zip(self.k, self.v, strict=True) for t in kv]
+        if mode == "full" and rows is not None:
+            return [c[rows] for c in caches]  # contiguous views, P = max_seq_len
+        if mode == "full":
+            return [c[slots] for c in caches]
+        n = slots.numel()
+        need = n * self.heads * length * self.head_dim
+        out = []
+        for i, c in enumerate(caches):
+            buf = self._staging[i]
+            if buf.numel() < need:  # grow geometrically, never beyond the cache itself
+                buf = self._staging[i] = torch.empty(min(max(need, 2 * buf.numel()), c.numel()), dtype=c.dtype)
+            dst = buf[:need].view(n, self.heads, length, self.head_dim)
+            if length:
+                torch.index_select(c[:, :, :length], 0, slots, out=dst) if rows is None else \
+                    dst.copy_(c[rows, :, :length])
+            out.append(dst)
+        return out
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, new: list[torch.Tensor]) -> None:
+        """new: interleaved [N, Hkv, T, hd] K/V per layer, written at (slot, position)."""
+        caches = [t for kv in zip(self.k, self.v, strict=True) for t in kv]
+        T = positions.shape[1]
+        starts = positions[:, 0]
+        if T and bool((positions == starts.unsqueeze(1) + torch.arange(T)).all()):  # consecutive: slices
+            for n, (s, p0) in enumerate(zip(slots.tolist(), starts.tolist(), strict=True)):
+                for c, x in zip(caches, new, strict=True):
+                    c[s, :, p0:p0 + T] = x[n]
+            return
+        rows = slots[:, None]
+        for c, x in zip(caches, new, strict=True):
+            c[rows, :, positions] = x.transpose(1, 2)
+
+
+class _Graph:
+    """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory."""
+
+    def __init__(self, path: Path, options, providers: list, what: str):
+        ort = _ort()
+        try:
+            self.sess = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+            raise RetraceError(f"{path}: ONNX Runtime {ort.__version__} cannot load the {what} graph ({e}). "
+                               "Bundles need onnxruntime >= 1.22 (opset 23)") from None
+        self.inputs = {i.name: _NP.get(i.type) for i in self.sess.get_inputs()}
+        self.outputs = {o.name: _NP.get(o.type) for o in self.sess.get_outputs()}
+        self.past_names = [n for n in self.inputs if n.startswith(("past_key_", "past_value_"))]
+        self.new_names = [n for n in self.outputs if n.startswith(("new_key_", "new_value_"))]
+        self.device = "cuda" if self.sess.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _TORCH[self.inputs[name] if name in self.inputs else self.outputs[name]]
+
+    def run(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        b = self.sess.io_binding()
+        for name, t in feeds.items():
+            t = t.contiguous()
+            feeds[name] = t  # keep alive until run() returns
+            b.bind_input(name, "cpu", 0, self.inputs[name], tuple(t.shape), t.data_ptr())
+        for name, t in outputs.items():
+            b.bind_output(name, "cpu", 0, self.outputs[name], tuple(t.shape), t.data_ptr())
+        self.sess.run_with_iobinding(b)
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+
+    def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
+                 threads: int | None = None, providers: list | None = None, kv_mode: str = "gather",
+                 session_options: dict | None = None):
+        ort = _ort()
+        limits = bundle.limits
+        if kv_mode not in KV_MODES:
+            raise RetraceError(f"unknown kv_mode {kv_mode!r} (choose from {', '.join(KV_MODES)})")
+        self.bundle = bundle
+        self.kv_mode = kv_mode
+        self.max_batch = _limit("max_batch", max_batch, limits.get("max_batch"), bundle.root)
+        self.max_seq_len = _limit("max_seq_len", max_seq_len, limits.get("max_seq_len"), bundle.root)
+        tm = bundle.model("target")
+        if tm is None or bundle.graph("target") is None:
+            raise BundleError(f"{bundle.root}: bundle has no target model")
+        where = bundle.root / "manifest.json"
+        self.target_config = Qwen3Config.from_dict(tm["config"], where, tm.get("generation_config"))
+        if tm.get("eos_token_ids") is not None:
+            self.target_config = dataclasses.replace(self.target_config, eos_token_ids=tuple(tm["eos_token_ids"]))
+        dm = bundle.model("drafter")
+        self.drafter_config = None
+        if dm is not None:
+            dc = DrafterConfig.from_dict(dm["config"], where)
+            block = int(limits.get("block_size") or dc.block_size)
+            self.drafter_config = dataclasses.replace(dc, block_size=block)
+        self.has_conditioner = bundle.model("conditioner") is not None
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = int(threads or 0)
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        for k, v in (session_options or {}).items():
+            so.add_session_config_entry(k, str(v))
+        if threads:
+            torch.set_num_threads(int(threads))
+        self.providers = list(providers) if providers else default_providers()
+        self.tgraph = _Graph(bundle.graph_path("target"), so, self.providers, "target")
+        self.dgraph = None
+        if self.drafter_config is not None:
+            self.dgraph = _Graph(bundle.graph_path("drafter"), so, self.providers, "drafter")
+            self._suffix_inputs = "valid" in self.dgraph.inputs
+            if self._suffix_inputs:
+                feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
+                self._num_features = int(feats.shape[-1])
+        self.threads = threads
+
+        dtype = self.tgraph.dtype("past_key_0")
+        tc = self.target_config.layers
+        self.tcache = _Cache(tc.num_hidden_layers, self.max_batch, tc.num_key_value_heads, self.max_seq_len,
+                             tc.head_dim, dtype)
+        self.dcache = None
+        if self.drafter_config is not None:
+            dc = self.drafter_config.layers
+            self.dcache = _Cache(dc.num_hidden_layers, self.max_batch, dc.num_key_value_heads, self.max_seq_len,
+                                 dc.head_dim, self.dgraph.dtype("past_key_0"))
+        self._taps_width = len(tm.get("tap_layers") or ()) * tc.hidden_size
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str | Path, max_batch: int | None = None, threads: int | None = None,
+                    providers: list | None = None, max_seq_len: int | None = None, verify: bool | None = None,
+                    **kwargs) -> OnnxRuntimeBackend:
+        """Open (and, unless verify=False or RETRACE_VERIFY_BUNDLE=0, hash-verify) a bundle.
+
+        verify=False still checks that every file exists with its recorded size."""
+        if verify is None:
+            verify = os.environ.get("RETRACE_VERIFY_BUNDLE", "1").lower() not in ("0", "false", "no")
+        return cls(Bundle.open(bundle_dir, verify_hashes=verify), max_batch=max_batch, max_seq_len=max_seq_len,
+                   threads=threads, providers=providers, **kwargs)
+
+    @property
+    def active_providers(self) -> list[str]:
+        return self.tgraph.sess.get_providers()
+
+    # -- Backend protocol ------------------------------------------------------------------------------
+    def target(self, slots, input_ids, positions, logits_index):
+        g = self.tgraph
+        N, T = input_ids.shape
+        past_len = positions[:, 0].contiguous()
+        past = self.tcache.past(slots, int(past_len.max()), self.kv_mode)
+        feeds = {"input_ids": input_ids.to(torch.int64), "position_ids": positions.to(torch.int64),
+                 "past_len": past_len.to(torch.int64), "logits_index": logits_index.to(torch.int64)}
+        feeds.update(zip(g.past_names, past, strict=True))
+        c = self.target_config.layers
+        K = logits_index.shape[1]
+        out = {"logits": torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits")),
+               "taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
+        new_names = g.new_names
+        for n in new_names:
+            out[n] = torch.empty(N, c.num_key_value_heads, T, c.head_dim, dtype=g.dtype(n))
+        g.run(feeds, out)
+        self.tcache.write(slots, positions, [out[n] for n in new_names])
+        return out["logits"], out["taps"]
+
+    def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
+        g = self.dgraph
+        dc = self.drafter_config
+        N, B = block_ids.shape
+        C = ctx_taps.shape[1]
+        past_len = ctx_positions[:, 0].contiguous()
+        past = self.dcache.past(slots, int(past_len.max()), self.kv_mode)
+        feeds = {"ctx_taps": ctx_taps.to(g.dtype("ctx_taps")), "ctx_positions": ctx_positions.to(torch.int64),
+                 "block_ids": block_ids.to(torch.int64), "block_positions": block_positions.to(torch.int64),
+                 "past_len": past_len.to(torch.int64)}
+        feeds.update(zip(g.past_names, past, strict=True))
+        if self._suffix_inputs:
+            d = dc.hidden_size
+            if suffix is None:  # DFlash mode on a ReTrace graph: valid = 0 makes the fusion the identity
+                feeds.update(memory=torch.zeros(N, B, d, dtype=g.dtype("memory")),
+                             features=torch.zeros(N, B, self._num_features, dtype=g.dtype("features")),
+                             valid=torch.zeros(N, B, dtype=g.dtype("valid")),
+                             corr_index=torch.zeros(N, B, dtype=torch.int64))
+            else:
+                feeds.update(memory=suffix.memory.to(g.dtype("memory")),
+                             features=suffix.features.to(g.dtype("features")),
+                             valid=suffix.valid.to(g.dtype("valid")),
+                             corr_index=suffix.corr_index.to(torch.int64).clamp(0, C - 1))
+        c = dc.layers
+        out = {"hidden": torch.empty(N, B, c.hidden_size, dtype=g.dtype("hidden")),
+               "logits": torch.empty(N, B - 1, dc.vocab_size, dtype=g.dtype("logits"))}
+        new_names = g.new_names
+        for n in new_names:
+            out[n] = torch.empty(N, c.num_key_value_heads, C, c.head_dim, dtype=g.dtype(n))
+        g.run(feeds, out)
+        self.dcache.write(slots, ctx_positions, [out[n] for n in new_names])
+        hidden = out["hidden"]
+        return (hidden if hidden.dtype == torch.float32 else hidden.float()), out["logits"]
+
+    def release(self, slot: int) -> None:
+        pass  # positions mask stale cache entries; nothing to clear
+
+
+def _limit(name: str, asked: int | None, built: int | None, root: Path) -> int:
+    if asked is None:
+        if built is None:
+            raise BundleError(f"{root}: manifest has no limits.{name}")
+        return int(built)
+    asked = int(asked)
+    if asked < 1:
+        raise RetraceError(f"{name} must be >= 1, got {asked}")
+    if built is not None and asked > int(built):
+        raise RetraceError(f"{name}={asked} exceeds the bundle's limit {built} (rebuild with "
+                           f"retrace-export build --{name.replace('_', '-')} {asked})")
+    return asked
