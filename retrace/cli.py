@@ -178,5 +178,12 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
                f"prefill {t['prefill_s']:.2f}s other {t['other_s']:.2f}s", err=True)
 
 
+from retrace.train.commands import eval_cmd, train, zoo  # noqa: E402  (lazy inside: keeps --help fast)
+
+main.add_command(train)
+main.add_command(zoo)
+main.add_command(eval_cmd)
+
+
 if __name__ == "__main__":
     main()

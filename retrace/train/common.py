@@ -1,0 +1,230 @@
+"""Shared pieces of the trainers: device/dtype choice, AdamW with warmup + cosine, progress bars, and
+atomic, pickle-free training checkpoints (tensors in safetensors, everything else in JSON).
+
+A training checkpoint is a directory ``<out>/train_state/`` holding ``state.safetensors`` (trainable
+parameters under ``param.<name>``, AdamW moments under ``optim.<i>.<key>``, RNG states under ``rng.*``)
+and ``state.json`` (step, learning-rate schedule, AdamW hyper-parameters, the run's config and
+anything the trainer adds). It is written into a temporary directory beside it and renamed into place,
+so a crash leaves either the previous checkpoint or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from retrace.errors import RetraceError
+
+STATE_DIR = "train_state"
+STATE_VERSION = 1
+
+
+# -- device ------------------------------------------------------------------------------------------
+def resolve_device(device: str | None) -> torch.device:
+    """"auto" (or None) -> cuda when available else cpu; anything else is checked."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RetraceError(f"--device {device}: CUDA is not available on this machine")
+    return dev
+
+
+def autocast(device: torch.device, bf16: bool):
+    """bf16 autocast on CUDA (and on CPU when asked); a no-op context otherwise."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    if not n:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+# -- schedule --------------------------------------------------------------------------------------------
+def lr_at(step: int, total: int, lr: float, warmup: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_ratio * lr` at `total`."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(1, total - warmup)
+    t = min(1.0, (step - warmup) / span)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def make_adamw(named_params: list[tuple[str, torch.nn.Parameter]], lr: float, weight_decay: float,
+               betas=(0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm weights and biases are not decayed)."""
+    decay = [p for n, p in named_params if p.ndim >= 2]
+    no_decay = [p for n, p in named_params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=1e-8)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+# -- progress ----------------------------------------------------------------------------------------------
+def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, leave=False,
+                mininterval=1.0, file=sys.stderr)
+
+
+def log(enabled: bool, tag: str, msg: str) -> None:
+    if enabled:
+        print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------------
+def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optim.{idx}.{k}"] = v
+            else:
+                scalars[f"{idx}.{k}"] = v
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def save_train_state(out_dir: str | Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer,
+                     step: int, info: dict, rng: dict[str, torch.Tensor] | None = None) -> Path:
+    """Atomically write `out_dir/train_state/` (see the module docstring). Returns its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    final = out / STATE_DIR
+    tmp = out / f".{STATE_DIR}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    tmp.mkdir()
+    try:
+        tensors = {f"param.{k}": v.detach().float().cpu().contiguous() for k, v in params.items()}
+        ot, ometa = _optim_tensors(opt)
+        tensors.update({k: v.detach().cpu().contiguous() for k, v in ot.items()})
+        tensors["rng.torch"] = torch.get_rng_state()
+        for k, v in (rng or {}).items():
+            tensors[f"rng.{k}"] = v.detach().cpu().contiguous()
+        save_file(tensors, str(tmp / "state.safetensors"), metadata={"format": "retrace-train-state"})
+        meta = {"version": STATE_VERSION, "step": int(step), "optimizer": ometa, "info": info}
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
+        old = None
+        if final.exists():
+            old = out / f".{STATE_DIR}.old-{uuid.uuid4().hex[:6]}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def has_train_state(out_dir: str | Path) -> bool:
+    d = Path(out_dir) / STATE_DIR
+    return (d / "state.json").is_file() and (d / "state.safetensors").is_file()
+
+
+def load_train_state(out_dir: str | Path, params: dict[str, torch.nn.Parameter],
+                     opt: torch.optim.Optimizer) -> tuple[int, dict, dict[str, torch.Tensor]]:
+    """Restore parameters and optimizer in place. Returns (step, info, extra rng tensors)."""
+    d = Path(out_dir) / STATE_DIR
+    if not has_train_state(out_dir):
+        raise RetraceError(f"{d}: no training checkpoint to resume from")
+    meta = json.loads((d / "state.json").read_text())
+    if meta.get("version") != STATE_VERSION:
+        raise RetraceError(f"{d}: training checkpoint version {meta.get('version')} (expected {STATE_VERSION})")
+    tensors = load_file(str(d / "state.safetensors"))
+    missing = [k for k in params if f"param.{k}" not in tensors]
+    if missing:
+        raise RetraceError(f"{d}: checkpoint lacks parameters {missing[:5]} (different model or flags?)")
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(tensors[f"param.{k}"].to(p.dtype))
+    om = meta["optimizer"]
+    state: dict[int, dict] = {}
+    for key, v in tensors.items():
+        if key.startswith("optim."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = v
+    for key, v in om["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    groups = om["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+    torch.set_rng_state(tensors["rng.torch"])
+    extra = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.") and k != "rng.torch"}
+    return int(meta["step"]), meta.get("info", {}), extra
+
+
+def clear_train_state(out_dir: str | Path) -> None:
+    shutil.rmtree(Path(out_dir) / STATE_DIR, ignore_errors=True)
+
+
+# -- data ---------------------------------------------------------------------------------------------------
+def read_prompts_jsonl(path: str | Path) -> list[dict]:
+    """Lines {"prompt": str, ...} or {"prompt_ids": [...], ...}; blank lines skipped; errors name the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise RetraceError(f"{p}: prompts file not found")
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RetraceError(f"{p}:{n}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "prompt_ids" in obj):
+            raise RetraceError(f"{p}:{n}: each line needs a 'prompt' string or 'prompt_ids' list")
+        rows.append(obj)
+    if not rows:
+        raise RetraceError(f"{p}: no prompts")
+    return rows
+
+
+def encode_prompts(rows: list[dict], codec) -> list[list[int]]:
+    out = []
+    for r in rows:
+        if "prompt_ids" in r:
+            out.append([int(t) for t in r["prompt_ids"]])
+        else:
+            if codec is None:
+                raise RetraceError("prompts are text but the target directory has no tokenizer.json")
+            out.append(codec.encode(r["prompt"]))
+    return out
+
+
+def split_validation(n: int, val_count: int, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train indices, validation indices) split of range(n)."""
+    g = torch.Generator().manual_seed(10_007 + seed)
+    order = torch.randperm(n, generator=g).tolist()
+    val_count = min(val_count, n // 4) if n >= 4 else 0
+    return sorted(order[val_count:]), sorted(order[:val_count])

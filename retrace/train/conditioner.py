@@ -1,0 +1,375 @@
+"""`retrace train conditioner`: train the ReTrace conditioner on-policy on a frozen DFlash drafter + target.
+
+A run is a sequence of phases. Each phase rolls out real draft/verify rounds with the CURRENT conditioner
+through the runtime's Scheduler (batched, right-padded, per-row positions; `rollout.RecordingBackend`
+records, for every round that has a rejected suffix from the previous round, exactly the suffix inputs
+the runtime fed the drafter: memory, reliability features, valid mask and the verify taps at corr_index).
+Then it trains on those rounds: each recorded round becomes one block [anchor, MASK...] at p', fused with
+its suffix by the conditioner, with the DFlash weighted loss against the target's continuation at
+p'+1..p'+B-1 (the rolled-out sequence itself: lossless decoding = the target's own output). All rounds of
+a sequence share one drafter forward (context K/V once, `blocks.block_forward`).
+
+Logged per phase: loss with the conditioner vs the DFlash loss on the same blocks, estimated tau of both,
+the mean gate on valid slots (a conditioner that switched itself off shows gate -> 0), and the real
+runtime tau of dflash vs retrace on validation prompts (a split of the TRAINING prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from retrace.errors import RetraceError
+from retrace.models.checkpoint import atomic_write_text
+from retrace.models.conditioner import ReTraceConditioner
+from retrace.models.config import DrafterConfig
+from retrace.models.drafter import DFlashDrafter
+from retrace.train import blocks as bl
+from retrace.train import common as cm
+from retrace.train.dflash import (
+    SeqSampler,
+    _sha,
+    compute_taps,
+    load_target,
+    pad_taps,
+    pad_tokens,
+    prepare_prompts,
+    runtime_tau,
+)
+from retrace.train.rollout import Rollout, rollout
+
+TAG = "train conditioner"
+
+
+@dataclass
+class ConditionerConfig:
+    block_size: int | None = None  # default: the drafter's
+    # data
+    num_prompts: int | None = None
+    val_prompts: int = 64
+    max_prompt_len: int = 256
+    max_new_tokens: int = 128
+    rollout_prompts: int = 256  # prompts rolled out per phase (cycling through the training prompts)
+    rollout_batch: int = 64
+    rollout_temperatures: tuple[float, ...] = (0.0,)
+    # optimisation
+    phases: int = 4
+    steps_per_phase: int = 100
+    batch_size: int = 8
+    blocks_per_seq: int = 16
+    lr: float = 1e-3
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    gate_bias_init: float = -2.0
+    reinit: bool = False  # ignore a conditioner already beside the drafter
+    unfreeze_drafter: bool = False
+    drafter_lr: float = 1e-4
+    # bookkeeping
+    eval_prompts: int = 32
+    eval_new_tokens: int = 64
+    seed: int = 0
+    device: str = "auto"
+    bf16: bool | None = None
+    threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rollout_temperatures"] = list(self.rollout_temperatures)
+        return d
+
+
+# -- examples from rollouts ------------------------------------------------------------------------------------
+@dataclass
+class Examples:
+    """Rolled-out sequences with their recorded rounds and clean target taps (training data of one phase)."""
+
+    rolls: list[Rollout]
+    taps: list[torch.Tensor]
+
+    def usable(self) -> list[int]:
+        return [i for i, r in enumerate(self.rolls) if r.rounds]
+
+
+def collect(target, drafter, prompts, cfg: ConditionerConfig, device, seed: int, keep_empty: bool,
+            progress: bool) -> Examples:
+    """Roll out `prompts` (split across the rollout temperatures) and compute clean taps of the results."""
+    drafter.eval()
+    rolls: list[Rollout] = []
+    temps = list(cfg.rollout_temperatures) or [0.0]
+    B = cfg.block_size or drafter.config.block_size
+    for ti, T in enumerate(temps):
+        part = prompts[ti::len(temps)]
+        if part:
+            rolls += rollout(target, drafter, part, cfg.max_new_tokens, cfg.rollout_batch, T, seed + 1000 * ti,
+                             block_size=B, device=device, keep_empty=keep_empty)
+    taps = compute_taps(target, [r.tokens for r in rolls], cfg.rollout_batch, device)
+    return Examples(rolls, taps)
+
+
+def collate(ex: Examples, idx: list[int], picks: list[list[int]], B: int, device, mask_id: int):
+    """-> (taps [N,S,kd], block_ids [N,nb,B], labels [N,nb,B-1], anchors [N,nb], block weight [N,nb], BlockSuffix)."""
+    rolls = [ex.rolls[i] for i in idx]
+    ids, lengths = pad_tokens([r.tokens for r in rolls], device)
+    taps = pad_taps([ex.taps[i] for i in idx], device)
+    N, nb = len(idx), max(1, max(len(p) for p in picks))
+    r0 = rolls[0].rounds[picks[0][0]] if picks[0] else next(r.rounds[0] for r in rolls if r.rounds)
+    d, F, kd = r0.memory.shape[-1], r0.features.shape[-1], r0.corr_taps.shape[-1]
+    anchors = torch.zeros(N, nb, dtype=torch.long)
+    bw = torch.zeros(N, nb)
+    mem = torch.zeros(N, nb, B, d)
+    feat = torch.zeros(N, nb, B, F)
+    valid = torch.zeros(N, nb, B)
+    corr = torch.zeros(N, nb, B, kd)
+    for n, (r, pk) in enumerate(zip(rolls, picks, strict=True)):
+        for b, k in enumerate(pk):
+            rec = r.rounds[k]
+            anchors[n, b] = rec.anchor_pos
+            bw[n, b] = 1.0
+            mem[n, b], feat[n, b], valid[n, b], corr[n, b] = rec.memory, rec.features, rec.valid, rec.corr_taps
+    anchors, bw = anchors.to(device), bw.to(device)
+    block_ids, labels = bl.block_inputs(ids, anchors, B, mask_id, torch.tensor(lengths, device=device))
+    suffix = bl.BlockSuffix(mem.to(device), feat.to(device), valid.to(device), corr.to(device))
+    return taps, block_ids, labels, anchors, bw, suffix
+
+
+def pick_rounds(ex: Examples, idx: list[int], nb: int, gen: torch.Generator | None) -> list[list[int]]:
+    out = []
+    for i in idx:
+        n = len(ex.rolls[i].rounds)
+        if gen is None:
+            out.append(list(range(min(n, nb))))
+        else:
+            out.append(sorted(torch.randperm(n, generator=gen)[:nb].tolist()))
+    return out
+
+
+def block_losses(drafter, ex: Examples, idx, picks, B, weights, device, bf16, with_baseline: bool):
+    """(loss with the conditioner, stats, baseline stats or None, mean gate on valid slots)."""
+    taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device, drafter.config.mask_token_id)
+    with cm.autocast(device, bf16):
+        _, logits = bl.block_forward(drafter, taps, anchors, block_ids, suffix)
+    loss, st = bl.block_loss(logits, labels, weights, bw)
+    base = None
+    with torch.no_grad():
+        if with_baseline:
+            with cm.autocast(device, bf16):
+                _, lb = bl.block_forward(drafter, taps, anchors, block_ids, None)
+            _, base = bl.block_loss(lb, labels, weights, bw)
+        x = drafter.target.embed(block_ids).float()
+        corr = drafter.project(suffix.corr_taps.to(drafter.fc.weight.dtype)).float()
+        v = suffix.valid * bw.unsqueeze(-1)
+        g = drafter.conditioner.mean_gate(x, suffix.memory.float(), corr, suffix.features, v)
+        gate_w = float(v.sum())
+    return loss, st, base, (float(g) * gate_w, gate_w)
+
+
+def evaluate_examples(drafter, ex: Examples, cfg, B, weights, device, bf16) -> dict:
+    was = drafter.training
+    drafter.eval()
+    tot, base, gsum, gw = {}, {}, 0.0, 0.0
+    use = ex.usable()
+    with torch.no_grad():
+        for s in range(0, len(use), cfg.batch_size):
+            idx = use[s : s + cfg.batch_size]
+            picks = pick_rounds(ex, idx, 10**6, None)
+            _, st, bs, (g, w) = block_losses(drafter, ex, idx, picks, B, weights, device, bf16, True)
+            bl.merge_stats(tot, st)
+            bl.merge_stats(base, bs)
+            gsum, gw = gsum + g, gw + w
+    drafter.train(was)
+    out = {f"retrace_{k}": v for k, v in bl.summarize(tot).items()}
+    out.update({f"dflash_{k}": v for k, v in bl.summarize(base).items()})
+    out["mean_gate"] = round(gsum / gw, 5) if gw else None
+    out["rounds"] = sum(len(ex.rolls[i].rounds) for i in use)
+    return out
+
+
+# -- the trainer -----------------------------------------------------------------------------------------------
+def train_conditioner(target_dir: str | Path, drafter_dir: str | Path, data: str | Path, out_dir: str | Path | None = None,
+                      cfg: ConditionerConfig | None = None, resume: bool = False, progress: bool = True) -> dict:
+    cfg = cfg or ConditionerConfig()
+    with cm.torch_threads(cfg.threads):
+        return _train(Path(target_dir), Path(drafter_dir), Path(data), Path(out_dir or drafter_dir), cfg, resume,
+                      progress)
+
+
+def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: ConditionerConfig, resume: bool,
+           progress: bool) -> dict:
+    t_start = time.perf_counter()
+    device = cm.resolve_device(cfg.device)
+    bf16 = (device.type == "cuda") if cfg.bf16 is None else cfg.bf16
+    torch.manual_seed(cfg.seed)
+    dconf = DrafterConfig.from_dir(drafter_dir)
+    target = load_target(target_dir, dconf.target_layer_ids, device, bf16)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, target, load_conditioner=not cfg.reinit,
+                                            dtype=torch.float32).to(device)
+    if drafter.conditioner is None:
+        cond = ReTraceConditioner(dconf.hidden_size, gate_bias_init=cfg.gate_bias_init,
+                                  rms_norm_eps=dconf.layers.rms_norm_eps)
+        cond.reset("zero", seed=cfg.seed)
+        drafter.conditioner = cond.to(device)
+    B = cfg.block_size or dconf.block_size
+    if not 2 <= B <= dconf.block_size:
+        raise RetraceError(f"block size {B} must be in 2..{dconf.block_size}")
+    gamma = cfg.gamma or bl.default_gamma(B)
+    weights = bl.loss_weights(B, gamma, device)
+
+    if out != drafter_dir:
+        out.mkdir(parents=True, exist_ok=True)
+        for f in ("config.json", *[p.name for p in drafter_dir.glob("*.safetensors") if p.name != "retrace.safetensors"]):
+            shutil.copy2(drafter_dir / f, out / f)
+
+    train_p, val_p = prepare_prompts(target_dir, data, cfg.max_prompt_len, cfg.num_prompts, cfg.val_prompts, cfg.seed)
+    if not train_p:
+        raise RetraceError(f"{data}: no training prompts")
+    eval_p = val_p[: cfg.eval_prompts]
+
+    drafter.requires_grad_(False)
+    drafter.conditioner.requires_grad_(True)
+    named = [(f"conditioner.{n}", p) for n, p in drafter.conditioner.named_parameters()]
+    dnamed = []
+    if cfg.unfreeze_drafter:
+        dnamed = [(n, p) for n, p in drafter.named_parameters() if not n.startswith("conditioner.")]
+        for _, p in dnamed:
+            p.requires_grad_(True)
+    params = dict(named + dnamed)
+    opt = cm.make_adamw(named, cfg.lr, cfg.weight_decay)
+    if dnamed:
+        opt.add_param_group({"params": [p for _, p in dnamed], "weight_decay": cfg.weight_decay, "lr": cfg.drafter_lr})
+    lr_scale = [g["lr"] / cfg.lr for g in opt.param_groups]
+    total_steps = cfg.phases * cfg.steps_per_phase
+    phase, step, history = 0, 0, []
+    rgen = torch.Generator().manual_seed(cfg.seed + 11)
+    if resume and cm.has_train_state(out):
+        step, info, rng = cm.load_train_state(out, params, opt)
+        if info.get("kind") != "conditioner" or info.get("config_sha") != _sha(_resume_key(cfg)):
+            raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
+                               "start without --resume (or with the same flags)")
+        phase, history = info["phase"], info.get("history", [])
+        rgen.set_state(rng["rounds"])
+        cm.log(progress, TAG, f"resumed at phase {phase} (step {step})")
+
+    def save(phase_now):
+        info = {"kind": "conditioner", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
+                "phase": phase_now, "history": history}
+        cm.save_train_state(out, params, opt, step, info, rng={"rounds": rgen.get_state()})
+        if cfg.unfreeze_drafter:
+            drafter.save_pretrained(out)
+        else:
+            drafter.conditioner.save(out)
+
+    t0 = time.perf_counter()
+    base_tau = runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "dflash", device, B,
+                           cfg.rollout_batch) if eval_p else {}
+    eval_s = time.perf_counter() - t0
+    cm.log(progress, TAG, f"{len(train_p)} train / {len(val_p)} val prompts; B={B}; dflash runtime tau on val {base_tau}")
+    roll_s = train_s = 0.0
+    bar = cm.progress_bar(total_steps, "conditioner", progress, initial=step)
+    last = {}
+    while phase < cfg.phases:
+        # 1. on-policy rollout with the current conditioner
+        t0 = time.perf_counter()
+        k = cfg.rollout_prompts
+        start = (phase * k) % len(train_p)
+        prompts = [train_p[(start + i) % len(train_p)] for i in range(min(k, len(train_p)))]
+        ex = collect(target, drafter, prompts, cfg, device, cfg.seed + 7919 * phase, cfg.unfreeze_drafter, progress)
+        use = ex.usable()
+        roll_tau = [r.tau for r in ex.rolls if r.tau is not None]
+        roll_s += time.perf_counter() - t0
+        if not use:
+            cm.log(progress, TAG, "warning: the rollouts produced no rounds with a rejected suffix (the drafter "
+                                  "accepts whole blocks, or the responses are too short): nothing to train on")
+            phase += 1
+            history.append({"phase": phase, "step": step, "rollout_tau": round(sum(roll_tau) / max(1, len(roll_tau)), 4),
+                            "rollout_rounds": 0, "skipped": True})
+            save(phase)
+            continue
+        # 2. train on them
+        t0 = time.perf_counter()
+        drafter.train()
+        sampler = SeqSampler(len(use), cfg.seed + phase)
+        tot, btot, gs, gw = {}, {}, 0.0, 0.0
+        for i_step in range(cfg.steps_per_phase):
+            lr = cm.lr_at(step, total_steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+            for g, sc in zip(opt.param_groups, lr_scale, strict=True):
+                g["lr"] = lr * sc
+            idx = [use[i] for i in sampler.take(cfg.batch_size)]
+            picks = pick_rounds(ex, idx, cfg.blocks_per_seq, rgen)
+            loss, st, base, (g, w) = block_losses(drafter, ex, idx, picks, B, weights, device, bf16, i_step % 4 == 0)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss at step {step}")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            bl.merge_stats(tot, st)
+            if base is not None:
+                bl.merge_stats(btot, {f"b_{k}": v for k, v in st.items()})
+                bl.merge_stats(btot, base)
+            gs, gw = gs + g, gw + w
+            if bar is not None:
+                bar.update(1)
+                post = {"loss": f"{tot['loss_sum'] / max(tot['weight_sum'], 1e-8):.3f}",
+                        "gate": f"{gs / max(gw, 1e-8):.3f}"}
+                if "retrace_tau" in last:
+                    post["val_tau"] = f"{last['retrace_tau']:.2f}"
+                bar.set_postfix(post)
+        train_s += time.perf_counter() - t0
+        phase += 1
+        # 3. evaluate: real runtime tau with the new conditioner on validation prompts
+        t0 = time.perf_counter()
+        rt = runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "retrace", device, B, cfg.rollout_batch) if eval_p else {}
+        eval_s += time.perf_counter() - t0
+        last = {"retrace_tau": rt.get("tau_mean"), "retrace_tau_pooled": rt.get("tau_pooled")}
+        rec = {"phase": phase, "step": step, "rollout_tau": round(sum(roll_tau) / max(1, len(roll_tau)), 4),
+               "rollout_rounds": sum(len(ex.rolls[i].rounds) for i in use),
+               "train": bl.summarize(tot), "train_vs_dflash": _paired(btot), "mean_gate": round(gs / max(gw, 1e-8), 5), "val_runtime": rt}
+        history.append(rec)
+        cm.log(progress, TAG, f"phase {phase}/{cfg.phases}: rollout tau {rec['rollout_tau']}, train {rec['train']}, "
+                              f"gate {rec['mean_gate']}, val tau retrace {rt.get('tau_mean')} vs dflash "
+                              f"{base_tau.get('tau_mean')}")
+        save(phase)
+    if bar is not None:
+        bar.close()
+    if not history:  # resumed a finished run
+        save(phase)
+    metrics = {
+        "kind": "conditioner", "phases": phase, "steps": step, "block_size": B, "gamma": gamma,
+        "val_dflash_runtime_tau": base_tau, "final": history[-1] if history else None, "history": history,
+        "mean_gate": history[-1].get("mean_gate") if history else None,
+        "seconds": {"rollouts": round(roll_s, 2), "train": round(train_s, 2), "eval": round(eval_s, 2),
+                    "total": round(time.perf_counter() - t_start, 2)},
+        "config": cfg.to_dict(),
+    }
+    atomic_write_text(out / "conditioner_train.json", json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def _paired(btot: dict) -> dict:
+    """Loss / tau estimate with the conditioner vs without it on the same sampled blocks (before the update)."""
+    if not btot:
+        return {}
+    r = bl.summarize({k[2:]: v for k, v in btot.items() if k.startswith("b_")})
+    d = bl.summarize({k: v for k, v in btot.items() if not k.startswith("b_")})
+    return {"retrace": r, "dflash": d}
+
+
+def _resume_key(cfg: ConditionerConfig) -> dict:
+    d = cfg.to_dict()
+    for k in ("phases", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch"):
+        d.pop(k, None)
+    return d
+
+
+__all__ = ["ConditionerConfig", "train_conditioner", "collate", "block_losses", "Examples", "collect",
+           "evaluate_examples"]

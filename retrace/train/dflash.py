@@ -1,0 +1,499 @@
+"""`retrace train dflash`: distil a DFlash drafter from a frozen Qwen3 target.
+
+Data: the target regenerates the responses itself (batched, greedy by default) from the training prompts;
+a validation split of the prompts is held out of training (never the evaluation prompts). Each step takes
+`batch_size` sequences, draws `blocks_per_seq` random anchors in each response, and trains all blocks of
+a sequence in one drafter forward (`blocks.block_forward`: context K/V once per sequence from the target
+taps, each block sees the context before its anchor and itself). Loss: cross-entropy on slots 1..B-1 with
+weights exp(-(k-1)/gamma), labels = the target's own continuation. The target's embedding and LM head are
+shared and frozen (so the never-trained MASK row cannot decay; its norm is checked, as a near-zero MASK
+embedding makes all block slots identical). Writes the z-lab checkpoint format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from retrace.errors import RetraceError
+from retrace.models.checkpoint import atomic_write_text
+from retrace.models.config import Qwen3Config
+from retrace.models.drafter import DFlashDrafter, new_drafter_config
+from retrace.models.target import Qwen3Target
+from retrace.runtime.tokenizer import TextCodec
+from retrace.train import blocks as bl
+from retrace.train import common as cm
+from retrace.train.rollout import generate, make_backend, run_requests
+
+TAG = "train dflash"
+
+
+@dataclass
+class DFlashConfig:
+    # drafter shape
+    block_size: int = 16
+    num_layers: int = 1
+    target_layer_ids: list[int] | None = None
+    intermediate_size: int | None = None
+    mask_token_id: int | None = None
+    init: str = "copy"  # copy (target's last layers, final norm, tap-averaging fc) | random
+    # data
+    num_prompts: int | None = None
+    val_prompts: int = 64
+    max_prompt_len: int = 256
+    max_new_tokens: int = 128
+    gen_batch: int = 64
+    gen_temperature: float = 0.0
+    # optimisation
+    steps: int = 2000
+    batch_size: int = 8
+    grad_accum: int = 1
+    blocks_per_seq: int = 16
+    lr: float = 1e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    # bookkeeping
+    eval_every: int = 200
+    save_every: int = 500
+    eval_tau_prompts: int = 32
+    eval_tau_new_tokens: int = 64
+    cache_taps_mb: int = 2048
+    seed: int = 0
+    device: str = "auto"
+    bf16: bool | None = None  # None: on for CUDA, off for CPU
+    threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- helpers shared with the conditioner trainer -----------------------------------------------------------
+def find_mask_token_id(target_dir: str | Path, vocab_size: int, given: int | None = None) -> int:
+    """--mask-token-id, else `<|mask|>` in the target's tokenizer.json, else an error naming the option."""
+    if given is not None:
+        mid = int(given)
+    else:
+        mid = None
+        tj = Path(target_dir) / "tokenizer.json"
+        if tj.is_file():
+            tok = json.loads(tj.read_text())
+            for t in tok.get("added_tokens", []):
+                if t.get("content") == "<|mask|>":
+                    mid = int(t["id"])
+            if mid is None:
+                mid = (tok.get("model", {}).get("vocab") or {}).get("<|mask|>")
+        if mid is None:
+            raise RetraceError(f"{target_dir}: no <|mask|> token in tokenizer.json; pass --mask-token-id "
+                               "(151669 for Qwen3: an existing, untrained embedding row)")
+    if not 0 <= mid < vocab_size:
+        raise RetraceError(f"mask token id {mid} is outside the target vocab ({vocab_size})")
+    return mid
+
+
+def mask_row_check(target: Qwen3Target, mask_id: int) -> dict:
+    """The MASK embedding's norm relative to the mean row norm (a near-zero row is a known pitfall)."""
+    w = target.model.embed_tokens.weight.detach().float()
+    norms = w.norm(dim=-1)
+    ratio = float(norms[mask_id] / norms.mean().clamp_min(1e-12))
+    return {"mask_norm": round(float(norms[mask_id]), 5), "mean_norm": round(float(norms.mean()), 5),
+            "ratio": round(ratio, 4)}
+
+
+def load_target(target_dir: str | Path, tap_layers, device: torch.device, bf16: bool) -> Qwen3Target:
+    dtype = torch.bfloat16 if (bf16 and device.type == "cuda") else torch.float32
+    return Qwen3Target.from_pretrained(target_dir, tap_layers=tuple(tap_layers), dtype=dtype).to(device)
+
+
+@torch.no_grad()
+def compute_taps(target: Qwen3Target, seqs: list[list[int]], batch: int, device: torch.device,
+                 store_dtype=torch.float16, keep_device: bool = False) -> list[torch.Tensor]:
+    """Clean target taps [L, k*d] per sequence (one causal forward each, batched with right padding)."""
+    out: list[torch.Tensor] = []
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    res: dict[int, torch.Tensor] = {}
+    for s in range(0, len(order), batch):
+        idx = order[s : s + batch]
+        ids, lengths = pad_tokens([seqs[i] for i in idx], device)
+        taps = target_taps(target, ids)
+        for j, i in enumerate(idx):
+            t = taps[j, : lengths[j]].to(store_dtype)
+            res[i] = t if keep_device else t.cpu()
+    out = [res[i] for i in range(len(seqs))]
+    return out
+
+
+def target_taps(target: Qwen3Target, ids: torch.Tensor) -> torch.Tensor:
+    N, S = ids.shape
+    pk, pv = target.empty_past(N)
+    pk = [t.to(ids.device) for t in pk]
+    pv = [t.to(ids.device) for t in pv]
+    _, taps, _, _ = target(ids, torch.arange(S, device=ids.device).expand(N, S), pk, pv,
+                           torch.zeros(N, dtype=torch.long, device=ids.device),
+                           logits_index=torch.zeros(N, 1, dtype=torch.long, device=ids.device))
+    return taps
+
+
+def pad_tokens(seqs: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
+    S = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return ids.to(device), [len(s) for s in seqs]
+
+
+def pad_taps(taps: list[torch.Tensor], device, dtype=torch.float32) -> torch.Tensor:
+    S = max(t.shape[0] for t in taps)
+    out = torch.zeros(len(taps), S, taps[0].shape[-1], dtype=dtype, device=device)
+    for i, t in enumerate(taps):
+        out[i, : t.shape[0]] = t.to(device=device, dtype=dtype)
+    return out
+
+
+def init_drafter(drafter: DFlashDrafter, target: Qwen3Target, how: str, seed: int) -> None:
+    """random: N(0, 0.02) matrices, unit norms. copy: the target's last layers (a common trick: they speak the
+    LM head's language), the target's final norm, and an fc that averages the taps (plus small noise)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith("conditioner."):
+                continue
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            else:
+                p.fill_(1.0)
+        if how == "random":
+            return
+        if how != "copy":
+            raise RetraceError(f"unknown drafter init {how!r} (copy|random)")
+        n_t, n_d = len(target.model.layers), len(drafter.layers)
+        src = list(range(max(0, n_t - n_d), n_t))
+        src = (src * n_d)[:n_d]
+        for i, j in enumerate(src):
+            tsd = target.model.layers[j].state_dict()
+            dsd = drafter.layers[i].state_dict()
+            if all(k in tsd and tsd[k].shape == v.shape for k, v in dsd.items()):
+                drafter.layers[i].load_state_dict({k: tsd[k].float() for k in dsd})
+        drafter.norm.weight.copy_(target.model.norm.weight.float())
+        k = drafter.config.num_taps
+        d = drafter.config.hidden_size
+        eye = torch.eye(d) / k
+        drafter.fc.weight.copy_(torch.cat([eye] * k, dim=1) + torch.randn(d, k * d, generator=g) * 0.005)
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_sha(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def prepare_prompts(target_dir, data: str | Path, max_prompt_len: int, num: int | None, val: int,
+                    seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Encode, left-truncate to max_prompt_len, take the first `num`, split (train, validation)."""
+    rows = cm.read_prompts_jsonl(data)
+    codec = TextCodec.find(target_dir)
+    ids = [p[-max_prompt_len:] for p in cm.encode_prompts(rows, codec) if p]
+    if num is not None:
+        ids = ids[:num]
+    tr, va = cm.split_validation(len(ids), val, seed)
+    return [ids[i] for i in tr], [ids[i] for i in va]
+
+
+def cached_responses(cache: Path, key: dict, make) -> list[list[int]]:
+    """Responses are expensive on CPU: keep them beside the run (JSON, keyed by what produced them)."""
+    k = _sha(key)
+    if cache.is_file():
+        try:
+            obj = json.loads(cache.read_text())
+            if obj.get("key") == k:
+                return obj["responses"]
+        except (OSError, ValueError):
+            pass
+    res = make()
+    atomic_write_text(cache, json.dumps({"key": k, "responses": res}))
+    return res
+
+
+class SeqSampler:
+    """Epoch permutations from (seed, epoch); the position is (epoch, cursor): resumable exactly."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, cursor: int = 0):
+        self.n, self.seed, self.epoch, self.cursor = n, seed, epoch, cursor
+        self._perm = self._make()
+
+    def _make(self) -> list[int]:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.cursor >= self.n:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._perm = self._make()
+            out.append(self._perm[self.cursor])
+            self.cursor += 1
+        return out
+
+
+def sample_anchors(lengths: list[int], prompt_lens: list[int], nb: int, gen: torch.Generator):
+    """Random distinct anchors per sequence in its response ([prompt_len, L-2]); -> (anchor_pos [N,nb],
+    block_weight [N,nb]) with padding blocks at position 0 and weight 0."""
+    N = len(lengths)
+    pos = torch.zeros(N, nb, dtype=torch.long)
+    w = torch.zeros(N, nb)
+    for i, (L, p0) in enumerate(zip(lengths, prompt_lens, strict=True)):
+        m = L - 1 - p0
+        if m <= 0:
+            continue
+        pick = torch.randperm(m, generator=gen)[:nb] + p0
+        pick, _ = pick.sort()
+        pos[i, : len(pick)] = pick
+        w[i, : len(pick)] = 1.0
+    return pos, w
+
+
+# -- the trainer -------------------------------------------------------------------------------------------------
+class _Data:
+    def __init__(self, seqs, prompt_lens, taps):
+        self.seqs, self.prompt_lens, self.taps = seqs, prompt_lens, taps
+
+
+def _batch_forward(drafter, target, data: _Data, idx, anchors, bw, cfg, device, weights, bf16):
+    seqs = [data.seqs[i] for i in idx]
+    ids, lengths = pad_tokens(seqs, device)
+    if data.taps is not None:
+        taps = pad_taps([data.taps[i] for i in idx], device)
+    else:
+        with torch.no_grad():
+            taps = target_taps(target, ids).float()
+    anchors, bw = anchors.to(device), bw.to(device)
+    block_ids, labels = bl.block_inputs(ids, anchors, cfg.block_size, drafter.config.mask_token_id,
+                                        torch.tensor(lengths, device=device))
+    with cm.autocast(device, bf16):
+        _, logits = bl.block_forward(drafter, taps, anchors, block_ids)
+    return bl.block_loss(logits, labels, weights, bw)
+
+
+def evaluate_blocks(drafter, target, data: _Data, anchors, cfg, device, weights, bf16) -> dict:
+    """Validation loss / estimated tau on fixed anchors (no grad)."""
+    total: dict = {}
+    was = drafter.training
+    drafter.eval()
+    with torch.no_grad():
+        for s in range(0, len(data.seqs), cfg.batch_size):
+            idx = list(range(s, min(len(data.seqs), s + cfg.batch_size)))
+            _, st = _batch_forward(drafter, target, data, idx, anchors[0][idx], anchors[1][idx], cfg, device,
+                                   weights, bf16)
+            bl.merge_stats(total, st)
+    drafter.train(was)
+    return bl.summarize(total)
+
+
+def runtime_tau(target, drafter, prompts, max_new_tokens, mode, device, block_size=None, batch=32,
+                temperature=0.0, seed=0) -> dict:
+    """Real tau from the runtime loop (greedy): per-prompt mean and pooled."""
+    if not prompts:
+        return {}
+    was = drafter.training
+    drafter.eval()
+    B = block_size or drafter.config.block_size
+    be = make_backend(target, drafter, min(batch, len(prompts)), max(len(p) for p in prompts) + max_new_tokens + B + 2,
+                      device)
+    outs, sched = run_requests(be, prompts, mode, max_new_tokens, temperature, seed, block_size=B)
+    drafter.train(was)
+    per = [o.tau for o in outs if o.tau is not None]
+    st = sched.stats[mode]
+    return {"tau_mean": round(sum(per) / len(per), 4) if per else None, "tau_pooled": round(st.tau or 0.0, 4),
+            "n": len(per)}
+
+
+def train_dflash(target_dir: str | Path, out_dir: str | Path, data: str | Path, cfg: DFlashConfig | None = None,
+                 resume: bool = False, progress: bool = True) -> dict:
+    cfg = cfg or DFlashConfig()
+    with cm.torch_threads(cfg.threads):
+        return _train_dflash(Path(target_dir), Path(out_dir), Path(data), cfg, resume, progress)
+
+
+def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, resume: bool, progress: bool) -> dict:
+    t_start = time.perf_counter()
+    device = cm.resolve_device(cfg.device)
+    bf16 = (device.type == "cuda") if cfg.bf16 is None else cfg.bf16
+    torch.manual_seed(cfg.seed)
+    tconf = Qwen3Config.from_dir(target_dir)
+    mask_id = find_mask_token_id(target_dir, tconf.vocab_size, cfg.mask_token_id)
+    dconf = new_drafter_config(types.SimpleNamespace(config=tconf), num_layers=cfg.num_layers,
+                               block_size=cfg.block_size, mask_token_id=mask_id,
+                               target_layer_ids=cfg.target_layer_ids, intermediate_size=cfg.intermediate_size)
+    target = load_target(target_dir, dconf.target_layer_ids, device, bf16)
+    mask_info = mask_row_check(target, mask_id)
+    if mask_info["ratio"] < 0.1:
+        cm.log(progress, TAG, f"warning: the MASK embedding row {mask_id} is tiny (norm ratio {mask_info['ratio']}): "
+                              "all block slots will look alike; reset that row in the target")
+    gamma = cfg.gamma or bl.default_gamma(cfg.block_size)
+    weights = bl.loss_weights(cfg.block_size, gamma, device)
+
+    # data: the target's own continuations
+    t0 = time.perf_counter()
+    train_p, val_p = prepare_prompts(target_dir, data, cfg.max_prompt_len, cfg.num_prompts, cfg.val_prompts, cfg.seed)
+    key = {"target": file_sha(next(iter(sorted(target_dir.glob("*.safetensors"))))), "data": file_sha(data),
+           "n": len(train_p) + len(val_p), "max_new": cfg.max_new_tokens, "maxp": cfg.max_prompt_len,
+           "T": cfg.gen_temperature, "seed": cfg.seed, "val": cfg.val_prompts}
+    all_p = train_p + val_p
+
+    def make():
+        cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target")
+        bar = _token_bar(progress, len(all_p) * cfg.max_new_tokens, "responses")
+        res = generate(target, all_p, cfg.max_new_tokens, cfg.gen_batch, cfg.gen_temperature, cfg.seed, device,
+                       progress=(lambda n: bar.update(n)) if bar else None)
+        if bar:
+            bar.close()
+        return res
+
+    responses = cached_responses(out / "train_data" / "responses.json", key, make)
+    gen_s = time.perf_counter() - t0
+    seqs = [p + r for p, r in zip(all_p, responses, strict=True)]
+    plens = [len(p) for p in all_p]
+    keep = [i for i in range(len(seqs)) if len(seqs[i]) - plens[i] >= 2]
+    tr_idx = [i for i in keep if i < len(train_p)]
+    va_idx = [i for i in keep if i >= len(train_p)]
+    if not tr_idx:
+        raise RetraceError(f"{data}: no usable training sequences (responses shorter than 2 tokens)")
+
+    # taps: cached when they fit
+    kd = dconf.num_taps * dconf.hidden_size
+    total_tokens = sum(len(s) for s in seqs)
+    cache = total_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
+    t0 = time.perf_counter()
+    taps_all = compute_taps(target, seqs, cfg.gen_batch, device) if cache else None
+    taps_s = time.perf_counter() - t0
+
+    def subset(ix):
+        return _Data([seqs[i] for i in ix], [plens[i] for i in ix], [taps_all[i] for i in ix] if cache else None)
+
+    dtrain, dval = subset(tr_idx), subset(va_idx)
+    vgen = torch.Generator().manual_seed(4242 + cfg.seed)
+    val_anchors = sample_anchors([len(s) for s in dval.seqs], dval.prompt_lens, cfg.blocks_per_seq, vgen)
+
+    # model
+    drafter = DFlashDrafter(dconf, target).to(device)
+    init_drafter(drafter, target, cfg.init, cfg.seed)
+    drafter.to(device).train()
+    named = [(n, p) for n, p in drafter.named_parameters() if not n.startswith("conditioner.")]
+    params = dict(named)
+    opt = cm.make_adamw(named, cfg.lr, cfg.weight_decay)
+    sampler = SeqSampler(len(dtrain.seqs), cfg.seed)
+    agen = torch.Generator().manual_seed(cfg.seed + 7)
+    step, history = 0, []
+    if resume and cm.has_train_state(out):
+        step, info, rng = cm.load_train_state(out, params, opt)
+        if info.get("kind") != "dflash" or info.get("config_sha") != _sha(_resume_key(cfg)):
+            raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
+                               "start without --resume (or with the same flags)")
+        sampler = SeqSampler(len(dtrain.seqs), cfg.seed, info["epoch"], info["cursor"])
+        agen.set_state(rng["anchors"])
+        history = info.get("history", [])
+        cm.log(progress, TAG, f"resumed at step {step}")
+    elif resume:
+        cm.log(progress, TAG, f"no checkpoint in {out}: starting fresh")
+
+    cm.log(progress, TAG, f"{len(dtrain.seqs)} train / {len(dval.seqs)} val sequences, "
+                          f"{sum(p.numel() for p in params.values()) / 1e6:.2f}M drafter params, B={cfg.block_size}, "
+                          f"taps {dconf.target_layer_ids}, init {cfg.init}, device {device}, bf16 {bf16}")
+    bar = cm.progress_bar(cfg.steps, "dflash", progress, initial=step)
+    ema, last_eval = None, {}
+    t_train = time.perf_counter()
+    steps_run = 0
+
+    def save(step_now):
+        info = {"kind": "dflash", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
+                "epoch": sampler.epoch, "cursor": sampler.cursor, "history": history}
+        cm.save_train_state(out, params, opt, step_now, info, rng={"anchors": agen.get_state()})
+        drafter.save_pretrained(out, save_conditioner=False)
+
+    while step < cfg.steps:
+        cm.set_lr(opt, cm.lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio))
+        tot: dict = {}
+        for _ in range(cfg.grad_accum):
+            idx = sampler.take(cfg.batch_size)
+            anchors, bw = sample_anchors([len(dtrain.seqs[i]) for i in idx], [dtrain.prompt_lens[i] for i in idx],
+                                         cfg.blocks_per_seq, agen)
+            loss, st = _batch_forward(drafter, target, dtrain, idx, anchors, bw, cfg, device, weights, bf16)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss at step {step}")
+            (loss / cfg.grad_accum).backward()
+            bl.merge_stats(tot, st)
+        torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        steps_run += 1
+        lv = tot["loss_sum"] / max(tot["weight_sum"], 1e-8)
+        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            last_eval = evaluate_blocks(drafter, target, dval, val_anchors, cfg, device, weights, bf16) if dval.seqs else {}
+            history.append({"step": step, "train_loss": round(ema, 4), **{f"val_{k}": v for k, v in last_eval.items()}})
+        if bar is not None:
+            bar.update(1)
+            post = {"loss": f"{ema:.3f}"}
+            if "tau_est" in last_eval:
+                post["val_tau"] = f"{last_eval['tau_est']:.2f}"
+            bar.set_postfix(post)
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+            save(step)
+    if bar is not None:
+        bar.close()
+    train_s = time.perf_counter() - t_train
+    save(step)
+
+    t0 = time.perf_counter()
+    n_tau = min(cfg.eval_tau_prompts, len(val_p))
+    tau = runtime_tau(target, drafter, val_p[:n_tau], cfg.eval_tau_new_tokens, "dflash", device) if n_tau else {}
+    tau_s = time.perf_counter() - t0
+    metrics = {
+        "kind": "dflash", "steps": step, "train_loss": round(ema, 4) if ema is not None else None,
+        "val": last_eval, "val_runtime_tau": tau, "history": history, "mask_row": mask_info,
+        "drafter_params": sum(p.numel() for p in params.values()), "target_layer_ids": list(dconf.target_layer_ids),
+        "block_size": cfg.block_size, "num_layers": cfg.num_layers, "init": cfg.init, "gamma": gamma,
+        "train_sequences": len(dtrain.seqs), "val_sequences": len(dval.seqs),
+        "seconds": {"responses": round(gen_s, 2), "taps": round(taps_s, 2), "train": round(train_s, 2),
+                    "steps_per_s": round(steps_run / max(train_s, 1e-9), 3), "eval_tau": round(tau_s, 2),
+                    "total": round(time.perf_counter() - t_start, 2)},
+        "config": cfg.to_dict(),
+    }
+    atomic_write_text(out / "dflash_train.json", json.dumps(metrics, indent=2) + "\n")
+    cm.log(progress, TAG, f"done: step {step}, train loss {metrics['train_loss']}, val {last_eval}, runtime tau {tau}")
+    return metrics
+
+
+def _resume_key(cfg: DFlashConfig) -> dict:
+    d = cfg.to_dict()
+    for k in ("steps", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
+              "cache_taps_mb", "gen_batch"):
+        d.pop(k, None)
+    return d
+
+
+def _token_bar(progress: bool, total: int, desc: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", dynamic_ncols=True, leave=False, mininterval=1.0)
+
+
+__all__ = ["DFlashConfig", "train_dflash", "find_mask_token_id", "compute_taps", "init_drafter"]

@@ -1,0 +1,207 @@
+"""Batched generation and on-policy draft/verify rollouts through the runtime's own Scheduler.
+
+Everything runs through `retrace.runtime.loop.Scheduler` (continuous batching, right padding, per-row
+positions), so training sees exactly what serving computes: the same alignment (`suffix_memory.align`),
+the same reliability features (`suffix_memory.suffix_features`) and the same correction taps. The
+Scheduler is not modified: a thin backend wrapper (`RecordingBackend`) records what the Scheduler feeds
+the drafter in every retrace round: the suffix memory, features, valid mask, and the verify taps at
+`corr_index` (the correction source). Round r+1's recorded suffix is round r's rejected suffix.
+
+`DeviceBackend` is the torch backend with its caches on an accelerator (inputs/outputs stay on CPU, as
+the Backend protocol says), for rollouts of a real Qwen3 on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from retrace.models.drafter import DFlashDrafter, SuffixInputs
+from retrace.models.target import Qwen3Target
+from retrace.runtime.loop import Scheduler
+from retrace.runtime.sampling import SamplingParams
+from retrace.runtime.torch_backend import KVCache, TorchBackend
+
+
+class DeviceBackend(TorchBackend):
+    """TorchBackend with the models and the K/V caches on `device` (CPU tensors in and out)."""
+
+    def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int, max_seq_len: int,
+                 device: torch.device):
+        self.device = torch.device(device)
+        self.target_model = target
+        self.drafter_model = drafter
+        self.target_config = target.config
+        self.drafter_config = drafter.config if drafter is not None else None
+        self.has_conditioner = drafter is not None and drafter.conditioner is not None
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        dtype = target.lm_head.weight.dtype
+        tc = target.config.layers
+        with torch.device(self.device):
+            self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len,
+                                  tc.head_dim, dtype)
+            self.dcache = None
+            if drafter is not None:
+                dc = drafter.config.layers
+                self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads, max_seq_len,
+                                      dc.head_dim, dtype)
+
+    @torch.inference_mode()
+    def target(self, slots, input_ids, positions, logits_index):
+        d = self.device
+        logits, taps = super().target(slots.to(d), input_ids.to(d), positions.to(d), logits_index.to(d))
+        return logits.float().cpu(), taps.float().cpu()
+
+    @torch.inference_mode()
+    def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
+        d = self.device
+        if suffix is not None:
+            suffix = SuffixInputs(suffix.memory.to(d), suffix.features.to(d), suffix.valid.to(d),
+                                  suffix.corr_index.to(d))
+        hidden, logits = super().draft(slots.to(d), ctx_taps.to(d), ctx_positions.to(d), block_ids.to(d),
+                                       block_positions.to(d), suffix)
+        return hidden.float().cpu(), logits.float().cpu()
+
+
+def make_backend(target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int, max_seq_len: int,
+                 device: torch.device | str = "cpu"):
+    device = torch.device(device)
+    if device.type == "cpu":
+        return TorchBackend(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len)
+    return DeviceBackend(target, drafter, max_batch, max_seq_len, device)
+
+
+# -- records -----------------------------------------------------------------------------------------------
+@dataclass
+class RoundRecord:
+    """One draft call in retrace mode, as the Scheduler fed it (CPU tensors, one row)."""
+
+    anchor_pos: int  # p' (the block's slot 0 position)
+    anchor: int  # the anchor token
+    memory: torch.Tensor  # [B, d]
+    features: torch.Tensor  # [B, F]
+    valid: torch.Tensor  # [B] float
+    corr_taps: torch.Tensor  # [B, k*d] = ctx_taps[corr_index] (raw verify taps of the previous round)
+    corr_index: torch.Tensor | None = None  # [B] (kept for checks)
+    draft_logits: torch.Tensor | None = None  # [B-1, V] what the drafter returned (kept for checks)
+    hidden: torch.Tensor | None = None  # [B, d]
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    rounds: list[RoundRecord] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # accepted count of every round (order not kept)
+    verify: list[dict] = field(default_factory=list)  # per round, only with keep_debug
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def tau(self) -> float | None:
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else None
+
+
+class RecordingBackend:
+    """Wraps a backend; records each retrace draft call's suffix inputs per request (see module doc)."""
+
+    def __init__(self, inner, keep_debug: bool = False, keep_empty: bool = False):
+        self.inner = inner
+        self.sched: Scheduler | None = None
+        self.records: dict[int, Rollout] = {}  # rid -> rollout
+        self.keep_debug = keep_debug
+        self.keep_empty = keep_empty
+        self._last_block: dict[int, tuple[int, int]] = {}  # slot -> (rid, anchor_pos) of the last draft
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def target(self, slots, input_ids, positions, logits_index):
+        logits, taps = self.inner.target(slots, input_ids, positions, logits_index)
+        if self.keep_debug and self.sched is not None and input_ids.shape[1] > 1 and logits.shape[1] == input_ids.shape[1]:
+            for i, s in enumerate(slots.tolist()):
+                req = self.sched.running.get(s)
+                if req is not None and req.rid in self.records and int(positions[i, 0]) == req.anchor_pos:
+                    self.records[req.rid].verify.append({
+                        "anchor_pos": int(positions[i, 0]), "block": input_ids[i].clone(),
+                        "logits": logits[i].clone(), "taps": taps[i].clone()})
+        return logits, taps
+
+    def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
+        hidden, logits = self.inner.draft(slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix)
+        if self.sched is not None and suffix is not None:
+            corr = torch.gather(ctx_taps, 1, suffix.corr_index.unsqueeze(-1).expand(-1, -1, ctx_taps.shape[-1]))
+            for i, s in enumerate(slots.tolist()):
+                req = self.sched.running[s]
+                rec = self.records.get(req.rid)
+                if rec is None:
+                    continue
+                if not self.keep_empty and not bool(suffix.valid[i].any()):
+                    continue
+                rec.rounds.append(RoundRecord(
+                    anchor_pos=int(block_positions[i, 0]), anchor=int(block_ids[i, 0]),
+                    memory=suffix.memory[i].clone(), features=suffix.features[i].clone(),
+                    valid=suffix.valid[i].clone(), corr_taps=corr[i].clone(),
+                    corr_index=suffix.corr_index[i].clone() if self.keep_debug else None,
+                    draft_logits=logits[i].clone() if self.keep_debug else None,
+                    hidden=hidden[i].clone() if self.keep_debug else None))
+        return hidden, logits
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+
+def run_requests(backend, prompts: list[list[int]], mode: str, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0, block_size: int | None = None, eos_ids: tuple[int, ...] | None = None,
+                 record: bool = False, keep_debug: bool = False, keep_empty: bool = False,
+                 progress=None) -> tuple[list[Rollout], Scheduler]:
+    """Run every prompt through one continuous batch of `backend.max_batch` slots. Returns one Rollout per
+    prompt (output ids, per-round accepted counts, and with `record` the retrace suffix records)."""
+    rec_be = RecordingBackend(backend, keep_debug=keep_debug, keep_empty=keep_empty) if record else backend
+    sched = Scheduler(rec_be, None, block_size, eos_ids=eos_ids)
+    if record:
+        rec_be.sched = sched
+    reqs = []
+    outs: list[Rollout] = []
+    for i, p in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
+        reqs.append(sched.add(list(p), params, mode))
+        outs.append(Rollout(list(p), []))
+        if record:
+            rec_be.records[reqs[-1].rid] = outs[-1]
+    while sched.has_work:
+        events = sched.step()
+        if progress is not None:
+            progress(sum(len(e.token_ids) for e in events))
+    for req, out in zip(reqs, outs, strict=True):
+        out.output_ids = list(req.output_ids)
+        hist = req.stats.accepted_hist
+        out.accepted = [a for a, n in enumerate(hist) for _ in range(n)]
+    return outs, sched
+
+
+def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int, max_batch: int = 32,
+             temperature: float = 0.0, seed: int = 0, device="cpu", progress=None) -> list[list[int]]:
+    """The target's own continuations (autoregressive, batched; greedy at temperature 0)."""
+    if not prompts:
+        return []
+    max_len = max(len(p) for p in prompts) + max_new_tokens + 2
+    be = make_backend(target, None, min(max_batch, len(prompts)), max_len, device)
+    outs, _ = run_requests(be, prompts, "ar", max_new_tokens, temperature, seed, progress=progress)
+    return [o.output_ids for o in outs]
+
+
+def rollout(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
+            max_batch: int = 32, temperature: float = 0.0, seed: int = 0, block_size: int | None = None,
+            device="cpu", keep_debug: bool = False, keep_empty: bool = False, progress=None) -> list[Rollout]:
+    """On-policy retrace rounds with the drafter's current conditioner; records every round's suffix."""
+    B = block_size or drafter.config.block_size
+    max_len = max(len(p) for p in prompts) + max_new_tokens + B + 2
+    be = make_backend(target, drafter, min(max_batch, len(prompts)), max_len, device)
+    outs, _ = run_requests(be, prompts, "retrace", max_new_tokens, temperature, seed, block_size=B, record=True,
+                           keep_debug=keep_debug, keep_empty=keep_empty, progress=progress)
+    return outs

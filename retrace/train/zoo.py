@@ -1,0 +1,244 @@
+"""`retrace zoo tiny`: a tiny, offline, deterministic target + DFlash drafter + ReTrace conditioner.
+
+Layout of DIR::
+
+    DIR/target/       HF Qwen3 dir with tokenizer (mask token <|mask|> in the vocab)   [target stage]
+    DIR/prompts/      code.jsonl, docs.jsonl: held-out evaluation prompts                [target stage]
+    DIR/data/         train_prompts.jsonl (drafter/conditioner training; validation is a split of it)
+    DIR/drafter/      DFlash files (config.json, model.safetensors) + retrace_config.json + retrace.safetensors
+                      (+ dflash_train.json, conditioner_train.json: training logs)
+    DIR/manifest.json seed, versions, settings, metrics (target ppl, drafter loss, tau dflash/retrace at
+                      T=0 and T=1 with paired SE, mean gate, lossless check), timings, a text sample
+
+Cached: a second run with the same size/seed/settings/library versions returns the manifest at once.
+Atomic: everything is built in a temporary directory beside DIR and renamed into place at the end (a
+finished target stage already in DIR is reused, so changing only the drafter stages does not retrain the
+target).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from retrace.errors import RetraceError
+
+ZOO_VERSION = 1
+MANIFEST = "manifest.json"
+
+# Per size: drafter, conditioner and evaluation settings (sized for 2 CPU cores: see the module README
+# notes in the manifest's "timings").
+PRESETS: dict[str, dict] = {
+    "test": {
+        "dflash": dict(block_size=8, num_layers=1, steps=30, batch_size=8, blocks_per_seq=8, num_prompts=96,
+                       val_prompts=16, max_new_tokens=32, gen_batch=48, eval_every=0, save_every=0,
+                       eval_tau_prompts=8, eval_tau_new_tokens=24, warmup=5, lr=3e-3),
+        "conditioner": dict(phases=1, steps_per_phase=8, rollout_prompts=24, rollout_batch=24, max_new_tokens=32,
+                            num_prompts=96, val_prompts=16, eval_prompts=8, eval_new_tokens=24, blocks_per_seq=8,
+                            batch_size=8, warmup=2),
+        "eval": dict(n_prompts=16, max_new_tokens=32, temperatures=[0.0, 1.0], max_batch=16, lossless_prompts=4),
+    },
+    "small": {
+        "dflash": dict(block_size=16, num_layers=1, steps=600, batch_size=8, blocks_per_seq=16, num_prompts=2048,
+                       val_prompts=64, max_new_tokens=96, gen_batch=64, eval_every=100, save_every=0,
+                       eval_tau_prompts=32, eval_tau_new_tokens=64, warmup=40, lr=2e-3),
+        "conditioner": dict(phases=3, steps_per_phase=80, rollout_prompts=192, rollout_batch=64, max_new_tokens=96,
+                            num_prompts=2048, val_prompts=64, eval_prompts=32, eval_new_tokens=64, blocks_per_seq=16,
+                            batch_size=8, warmup=20),
+        "eval": dict(n_prompts=128, max_new_tokens=96, temperatures=[0.0, 1.0], max_batch=64, lossless_prompts=8),
+    },
+}
+
+
+def _versions() -> dict:
+    import tokenizers
+    import torch
+    import transformers
+
+    from retrace import __version__ as rv
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__, "retrace": rv}
+
+
+def zoo_key(size: str, seed: int, preset: dict) -> dict:
+    from retrace.train import target_lm, zoo_target
+
+    return {"zoo_version": ZOO_VERSION, "size": size, "seed": int(seed), "preset": preset,
+            "target_stage": zoo_target.stage_key(size, seed, target_lm.get_preset(size)), "versions": _versions()}
+
+
+REQUIRED = ["target/config.json", "target/model.safetensors", "target/tokenizer.json", "drafter/config.json",
+            "drafter/model.safetensors", "drafter/retrace_config.json", "drafter/retrace.safetensors",
+            "prompts/code.jsonl", "prompts/docs.jsonl", MANIFEST]
+
+
+def read_manifest(out: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(out) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cached_manifest(out: str | Path, size: str = "small", seed: int = 0) -> dict | None:
+    out = Path(out)
+    man = read_manifest(out)
+    if man is None or man.get("key") != zoo_key(size, seed, PRESETS[size]):
+        return None
+    if not all((out / f).is_file() for f in REQUIRED):
+        return None
+    return man
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[zoo] {msg}", file=sys.stderr, flush=True)
+
+
+def build_zoo(out: str | Path, size: str = "small", seed: int = 0, force: bool = False, progress: bool = True,
+              threads: int | None = None) -> dict:
+    """Build (or reuse) the tiny zoo in `out`; returns the manifest (with "cached": True on a cache hit)."""
+    if size not in PRESETS:
+        raise RetraceError(f"unknown zoo size {size!r} (choose from {', '.join(PRESETS)})")
+    out = Path(out).absolute()
+    if not force:
+        man = cached_manifest(out, size, seed)
+        if man is not None:
+            _log(progress, f"cache hit: {out / MANIFEST}")
+            return dict(man, cached=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        man = _build(out, tmp, size, seed, force, progress, threads)
+        _install(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dict(man, cached=False)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bool, threads: int | None) -> dict:
+    import torch
+
+    from retrace.models.drafter import load_pair
+    from retrace.runtime.tokenizer import TextCodec
+    from retrace.train import common as cm
+    from retrace.train import zoo_target
+    from retrace.train.conditioner import ConditionerConfig, train_conditioner
+    from retrace.train.dflash import DFlashConfig, train_dflash
+    from retrace.train.evaluate import tau_by_mode
+    from retrace.train.rollout import make_backend, run_requests
+
+    preset = PRESETS[size]
+    key = zoo_key(size, seed, preset)
+    t_all = time.perf_counter()
+    cpu_all = time.process_time()
+    timings: dict[str, float] = {}
+
+    # 1. target stage (reuse a finished one from `out`)
+    t0 = time.perf_counter()
+    if not force and zoo_target.cached_metrics(out, size, seed) is not None:
+        for sub in ("target", "prompts", "data"):
+            shutil.copytree(out / sub, tmp / sub)
+    tm = zoo_target.build_target_stage(tmp, size, seed, progress=progress, num_threads=threads)
+    timings["target_s"] = round(time.perf_counter() - t0, 2)
+
+    with cm.torch_threads(threads):
+        # 2. DFlash drafter
+        t0 = time.perf_counter()
+        data = tmp / "data" / "train_prompts.jsonl"
+        dcfg = DFlashConfig(seed=seed, device="cpu", **preset["dflash"])
+        dm = train_dflash(tmp / "target", tmp / "drafter", data, dcfg, progress=progress)
+        timings["drafter_s"] = round(time.perf_counter() - t0, 2)
+
+        # 3. ReTrace conditioner (on-policy)
+        t0 = time.perf_counter()
+        ccfg = ConditionerConfig(seed=seed, device="cpu", **preset["conditioner"])
+        cmet = train_conditioner(tmp / "target", tmp / "drafter", data, None, ccfg, progress=progress)
+        timings["conditioner_s"] = round(time.perf_counter() - t0, 2)
+        for junk in ("train_state", "train_data"):
+            shutil.rmtree(tmp / "drafter" / junk, ignore_errors=True)
+
+        # 4. evaluation on the held-out prompts (both domains interleaved)
+        t0 = time.perf_counter()
+        ev = preset["eval"]
+        codec = TextCodec.find(tmp / "target")
+        rows_by = [cm.read_prompts_jsonl(tmp / "prompts" / f"{d}.jsonl") for d in ("code", "docs")]
+        rows = [r for pair in zip(*rows_by, strict=False) for r in pair][: ev["n_prompts"]]
+        prompts = cm.encode_prompts(rows, codec)
+        target, drafter = load_pair(tmp / "target", tmp / "drafter")
+        evals = {}
+        for T in ev["temperatures"]:
+            rep = tau_by_mode(target, drafter, prompts, ("dflash", "retrace"), ev["max_new_tokens"], T,
+                              max_batch=ev["max_batch"], seed=seed)
+            evals[f"T{T:g}"] = {m: {k: v for k, v in r.items() if k != "per_prompt"} for m, r in rep["modes"].items()}
+            evals[f"T{T:g}"]["paired"] = rep["paired"]
+            evals[f"T{T:g}"]["per_prompt"] = {m: r["per_prompt"] for m, r in rep["modes"].items()}
+            if "outputs_equal" in rep:
+                evals[f"T{T:g}"]["outputs_equal"] = rep["outputs_equal"]
+        timings["eval_s"] = round(time.perf_counter() - t0, 2)
+
+        # 5. lossless check (greedy retrace == the target's own greedy) and a text sample
+        n = min(ev["lossless_prompts"], len(prompts))
+        B = drafter.config.block_size
+        max_len = max(len(p) for p in prompts[:n]) + ev["max_new_tokens"] + B + 2
+        outs = {}
+        for mode in ("ar", "retrace"):
+            be = make_backend(target, drafter, n, max_len)
+            rolls, _ = run_requests(be, prompts[:n], mode, ev["max_new_tokens"], 0.0, seed)
+            outs[mode] = [r.output_ids for r in rolls]
+        lossless = outs["ar"] == outs["retrace"]
+        sample = {"prompt_tail": codec.decode(prompts[0])[-300:], "completion": codec.decode(outs["retrace"][0])}
+        del torch
+
+    metrics = {
+        "target_ppl": tm.get("ppl"),
+        "target_params": tm.get("params_total"),
+        "drafter_train_loss": dm.get("train_loss"),
+        "drafter_val": dm.get("val"),
+        "drafter_val_runtime_tau": dm.get("val_runtime_tau"),
+        "drafter_history": dm.get("history"),
+        "conditioner_mean_gate": cmet.get("mean_gate"),
+        "conditioner_history": cmet.get("history"),
+        "tau": {T: {"dflash": g.get("dflash", {}).get("tau"), "retrace": g.get("retrace", {}).get("tau"),
+                    "dflash_pooled": g.get("dflash", {}).get("tau_pooled"),
+                    "retrace_pooled": g.get("retrace", {}).get("tau_pooled"), "paired": g.get("paired")}
+                for T, g in evals.items()},
+        "tau_kind": "per-prompt mean over held-out prompts (pooled also given)",
+        "eval": evals,
+        "lossless_check": {"prompts": n, "greedy_retrace_equals_target": lossless},
+    }
+    timings["total_s"] = round(time.perf_counter() - t_all, 2)
+    timings["cpu_s"] = round(time.process_time() - cpu_all, 2)
+    timings["target_train_s"] = tm.get("train_seconds")
+    timings["drafter_detail"] = dm.get("seconds")
+    timings["conditioner_detail"] = cmet.get("seconds")
+    man = {
+        "key": key, "size": size, "seed": int(seed), "versions": key["versions"], "metrics": metrics,
+        "timings": timings, "sample": sample, "created_unix": int(time.time()),
+        "layout": {"target": "target/", "drafter": "drafter/", "prompts": "prompts/", "data": "data/"},
+        "eval_prompts": {"files": ["prompts/code.jsonl", "prompts/docs.jsonl"], "n": len(prompts),
+                         "interleaved": True},
+    }
+    if not lossless:
+        raise RetraceError("zoo check failed: greedy retrace output differs from the target's own greedy output")
+    (tmp / MANIFEST).write_text(json.dumps(man, indent=2, ensure_ascii=False) + "\n")
+    return man
+
+
+__all__ = ["build_zoo", "cached_manifest", "PRESETS", "read_manifest"]
