@@ -158,6 +158,9 @@ def test_kernel_signatures_follow_tensorrt_aot_order():
     # the signature names are the kernels' own parameter names, in declaration order
     for stage, fn in tk.kernels().items():
         assert list(tk.kernel_signature(stage, torch.float32)) == list(fn.arg_names)
+    mixed = tk.kernel_signature("fuse", torch.float16, {"valid": torch.float32, "features": torch.float32})
+    assert (mixed["x_ptr"], mixed["valid_ptr"], mixed["features_ptr"], mixed["w_gate_ptr"]) == (
+        "*fp16", "*fp32", "*fp32", "*fp16")
     with pytest.raises(TypeError):
         tk.kernel_signature("fuse", torch.int32)
 

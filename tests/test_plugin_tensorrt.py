@@ -35,15 +35,18 @@ def test_register_with_a_stub_tensorrt_package(monkeypatch):
 
 
 def test_autotune_type_strings():
-    assert tp.autotune_types(tp.FUSION) == ", ".join(["FP32|FP16|BF16"] * 11)
-    refine = [s.strip() for s in tp.autotune_types(tp.REFINE).split(",")]
-    assert refine == ["FP32|FP16|BF16"] * 3 + ["FP32"]  # memory, correction, w_refine -> fp32 refined
-    fuse = [s.strip() for s in tp.autotune_types(tp.FUSE).split(",")]
-    assert len(fuse) == 9 and fuse[1] == "FP32" and fuse.count("FP32|FP16|BF16") == 8
-    # TensorRT's rule for dependent ('|') variants: every multi-option entry has the same length
+    dep, free = "FP32|FP16|BF16", "FP32*FP16*BF16"
+    fusion = [x.strip() for x in tp.autotune_types(tp.FUSION).split(",")]
+    assert fusion == [dep] * 3 + [free, free] + [dep] * 6  # x..correction, features, valid, weights, out
+    refine = [x.strip() for x in tp.autotune_types(tp.REFINE).split(",")]
+    assert refine == [dep] * 3 + ["FP32"]  # memory, correction, w_refine -> fp32 refined
+    fuse = [x.strip() for x in tp.autotune_types(tp.FUSE).split(",")]
+    assert fuse == [dep, "FP32", free, free] + [dep] * 5  # x, refined, features, valid, 4 weights, out
+    # TensorRT's rules: an entry uses '|' or '*', not both; all '|' entries have the same length
     for plugin in (tp.FUSION, tp.REFINE, tp.FUSE):
-        lengths = {len(s.split("|")) for s in tp.autotune_types(plugin).split(",")} - {1}
-        assert lengths == {3}
+        entries = [x.strip() for x in tp.autotune_types(plugin).split(",")]
+        assert not any("|" in e and "*" in e for e in entries)
+        assert {len(e.split("|")) for e in entries if "|" in e} == {3}
 
 
 def test_tactics_are_the_tile_table():
@@ -144,12 +147,12 @@ def test_registered_definitions(fake_trt):
     assert trtp.defined[("autotune", tp.FUSION)](*[x] * 10, (x,)) == [(tp.autotune_types(tp.FUSION), "LINEAR", None)]
 
 
-@pytest.mark.parametrize("dtype_attr,tactic", [("float16", 1), ("float32", 3)])
-def test_aot_impls_compile_triton_to_ptx(fake_trt, dtype_attr, tactic):
+@pytest.mark.parametrize("dtype_attr,mask_attr,tactic", [("float16", "float32", 1), ("float32", "float32", 3)])
+def test_aot_impls_compile_triton_to_ptx(fake_trt, dtype_attr, mask_attr, tactic):
     trt, trtp = fake_trt
-    dt = getattr(trt, dtype_attr)
+    dt, mdt = getattr(trt, dtype_attr), getattr(trt, mask_attr)
     n, b, d, f = 2, 16, 96, 3
-    x, feats, valid = _Desc([n, b, d], dt), _Desc([n, b, f], dt), _Desc([n, b], dt)
+    x, feats, valid = _Desc([n, b, d], dt), _Desc([n, b, f], mdt), _Desc([n, b], mdt)
     tile = tk.TILE_BY_TACTIC[tactic]
     grid = (-(-n * b // tile.block_m), -(-d // tile.block_n))
 
@@ -166,5 +169,7 @@ def test_aot_impls_compile_triton_to_ptx(fake_trt, dtype_attr, tactic):
     assert name == "gsf_fuse_kernel" and f".entry {name}(" in ptx
     assert (launch.grid_x, launch.grid_y) == grid
     assert extra == [("i32", n * b), ("i32", d), ("i32", f)]
-    key = ("fuse", {"FLOAT": "FP32", "HALF": "FP16"}[dt], tactic, 1e-6, "cuda:90")
-    assert tp.compiled(*key).ptx == ptx  # cached: several nodes of one engine share a compile
+    names = {"FLOAT": "FP32", "HALF": "FP16"}
+    key = ("fuse", names[dt], tactic, 1e-6, "cuda:90", names[mdt], names[mdt])
+    # cached under the dtypes of x and of features/valid: several nodes of one engine share a compile
+    assert tp.compiled(*key).ptx == ptx

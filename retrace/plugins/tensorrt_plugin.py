@@ -19,8 +19,8 @@ Three plugins, namespace "retrace", version "1":
   `retrace.export.tensorrt.split_fusion_nodes` rewrites each GatedSuffixFusion node into this pair
   before parsing.
 
-`@trtp.autotune` advertises fp32, fp16 and bf16 (all activations/weights in one dtype, the refined
-scratch always fp32) and one tactic per tile of `triton_kernel.TILES`; TensorRT times them and keeps
+`@trtp.autotune` advertises fp32, fp16 and bf16 (activations/weights in one dtype, `features` and
+`valid` in any of them, the refined scratch always fp32) and one tactic per tile of `triton_kernel.TILES`; TensorRT times them and keeps
 the fastest. The parser maps a node to a plugin by op_type plus the node attributes
 `plugin_namespace="retrace"`, `plugin_version="1"`, and takes the AOT implementation for `aot=1`.
 """
@@ -50,12 +50,19 @@ TARGET_ENV = "RETRACE_TRITON_TARGET"
 _registered = False
 
 
+# positions of `features` and `valid` among each plugin's inputs: their dtype is free (a graph may keep
+# the 0/1 mask and the features in fp32 next to fp16 activations)
+FREE_DTYPE_INPUTS = {FUSION: {"features": 3, "valid": 4}, REFINE: {}, FUSE: {"features": 2, "valid": 3}}
+
+
 def autotune_types(plugin: str) -> str:
-    """The `AutoTuneCombination` type string: one dtype for every tensor (dependent, '|'), except the
-    refined scratch, which is fp32 whatever the rest."""
-    dep = "|".join(DTYPES)
+    """The `AutoTuneCombination` type string: activations, weights and output share one dtype
+    (dependent, '|'); `features` and `valid` take any float dtype independently ('*'); the refined
+    scratch is always fp32."""
     n_inputs = {FUSION: 10, REFINE: 3, FUSE: 8}[plugin]
-    io = [dep] * (n_inputs + 1)
+    io = ["|".join(DTYPES)] * (n_inputs + 1)
+    for pos in FREE_DTYPE_INPUTS[plugin].values():
+        io[pos] = "*".join(DTYPES)
     if plugin == REFINE:
         io[-1] = "FP32"
     elif plugin == FUSE:
@@ -85,10 +92,12 @@ def aot_target(spec: str | None = None):
 
 
 @functools.cache
-def compiled(stage: str, dtype_name: str, tactic: int, eps: float, target_spec: str | None) -> tk.CompiledStage:
-    """PTX of one (stage, dtype, tile) combination, compiled once per process."""
+def compiled(stage: str, dtype_name: str, tactic: int, eps: float, target_spec: str | None,
+             features_dtype: str | None = None, valid_dtype: str | None = None) -> tk.CompiledStage:
+    """PTX of one (stage, dtypes, tile) combination, compiled once per process."""
+    overrides = {n: TORCH_DTYPE[d] for n, d in (("features", features_dtype), ("valid", valid_dtype)) if d}
     return tk.compile_stage(stage, TORCH_DTYPE[dtype_name], tk.TILE_BY_TACTIC[tactic], eps,
-                            target=aot_target(target_spec))
+                            target=aot_target(target_spec), overrides=overrides)
 
 
 def _dtype_name(trt, dtype) -> str:
@@ -136,9 +145,11 @@ def _define(trt, trtp) -> None:
     def combos(plugin):
         return [trtp.AutoTuneCombination(autotune_types(plugin), "LINEAR", tactics(plugin) or None)]
 
-    def aot(plugin, first, feat, outputs, tactic, eps):
+    def aot(plugin, first, feat, valid, tactic, eps):
         stage = STAGE_OF_PLUGIN[plugin]
-        k = compiled(stage, _dtype_name(trt, first.dtype), int(tactic), float(eps), os.environ.get(TARGET_ENV))
+        free = (None, None) if feat is None else (_dtype_name(trt, feat.dtype), _dtype_name(trt, valid.dtype))
+        k = compiled(stage, _dtype_name(trt, first.dtype), int(tactic), float(eps), os.environ.get(TARGET_ENV),
+                     *free)
         n_rows, d = n_rows_and_d(first)
         gx, gy = launch_grid(n_rows, d, k.tile, trtp.cdiv)
         launch = trtp.KernelLaunchParams()
@@ -181,7 +192,7 @@ def _define(trt, trtp) -> None:
 
     @trtp.aot_impl(REFINE)
     def refine_aot(memory: Desc, correction: Desc, w_refine: Desc, outputs: Descs, tactic: int):
-        return aot(REFINE, memory, None, outputs, tactic, 0.0)
+        return aot(REFINE, memory, None, None, tactic, 0.0)
 
     # --- stage 2: gate / RMSNorm / value / residual (AOT) ---
     @trtp.register(FUSE)
@@ -196,4 +207,4 @@ def _define(trt, trtp) -> None:
     @trtp.aot_impl(FUSE)
     def fuse_aot(x: Desc, refined: Desc, features: Desc, valid: Desc, w_gate: Desc, b_gate: Desc,
                  norm_weight: Desc, w_value: Desc, epsilon: float, outputs: Descs, tactic: int):
-        return aot(FUSE, x, features, outputs, tactic, epsilon)
+        return aot(FUSE, x, features, valid, tactic, epsilon)

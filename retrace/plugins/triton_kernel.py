@@ -90,16 +90,15 @@ def triton_type(dtype: torch.dtype) -> str:
         raise TypeError(f"GatedSuffixFusion kernel supports fp32/fp16/bf16, not {dtype}") from None
 
 
-def kernel_signature(stage: str, dtype: torch.dtype) -> dict[str, str]:
-    """Triton `ASTSource` signature of a stage for activations/weights of `dtype`.
-
-    The refined scratch is always fp32. Constexprs are listed as "constexpr", as triton>=3.2 wants.
-    """
+def kernel_signature(stage: str, dtype: torch.dtype, overrides: dict[str, torch.dtype] | None = None) -> dict[str, str]:
+    """Triton `ASTSource` signature of a stage for activations/weights of `dtype`; `overrides` gives other
+    dtypes for single tensors (e.g. {"valid": torch.float32} in an fp16 graph; the kernels upcast every
+    load). The refined scratch is always fp32. Constexprs are listed as "constexpr" (triton >= 3.2)."""
     inputs, scalars, outputs = KERNEL_ARGS[stage]
-    ty = triton_type(dtype)
-    sig = {}
-    for name in inputs + outputs:
-        sig[f"{name}_ptr"] = "*fp32" if name == "refined" else f"*{ty}"
+    types = {name: triton_type(dtype) for name in inputs + outputs}
+    types.update({name: triton_type(dt) for name, dt in (overrides or {}).items() if name in types})
+    types["refined"] = "fp32"
+    sig = {f"{name}_ptr": f"*{types[name]}" for name in inputs + outputs}
     ordered = {f"{n}_ptr": sig[f"{n}_ptr"] for n in inputs}
     ordered.update({n: "i32" for n in scalars})
     ordered.update({f"{n}_ptr": sig[f"{n}_ptr"] for n in outputs})
@@ -225,13 +224,14 @@ class CompiledStage:
     n_params: int  # .param entries of the PTX entry (runtime args + Triton's trailing scratch pointers)
 
 
-def compile_stage(stage: str, dtype: torch.dtype, tile: Tile, eps: float = 1e-6, target=None) -> CompiledStage:
+def compile_stage(stage: str, dtype: torch.dtype, tile: Tile, eps: float = 1e-6, target=None,
+                  overrides: dict[str, torch.dtype] | None = None) -> CompiledStage:
     """`triton.compile` one stage to PTX. `target=None` means the current GPU."""
     import triton
 
     src = triton.compiler.ASTSource(
         fn=kernels()[stage],
-        signature=kernel_signature(stage, dtype),
+        signature=kernel_signature(stage, dtype, overrides),
         constexprs=stage_constexprs(stage, dtype, tile, eps, interpret=False),
     )
     compiled = triton.compile(src, target=target,
