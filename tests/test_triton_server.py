@@ -377,3 +377,40 @@ def test_real_runtime_torch_backend_through_triton(tmp_path, triton_env, standin
         assert status == 400 and "no tokenizer" in out["error"]
         status, out = generate(srv, {"input_ids": [1, 2], "max_tokens": 200})
         assert status == 400 and "max_tokens" in out["error"]
+
+
+@pytest.mark.slow
+def test_real_onnxruntime_bundle_through_triton(tmp_path, triton_env):
+    """The production path (no factory: Runtime.from_bundle(..., backend="onnxruntime")) on a built bundle.
+
+    Opt-in: set RETRACE_TRITON_TEST_BUNDLE to an engine bundle (e.g. the one `make demo` builds); building
+    one here would take minutes."""
+    import os
+
+    bundle = os.environ.get("RETRACE_TRITON_TEST_BUNDLE")
+    if not bundle:
+        pytest.skip("set RETRACE_TRITON_TEST_BUNDLE=<engine bundle dir> to serve a real bundle")
+    from retrace.export.triton.repository import write_repository
+    from retrace.runtime import Runtime, SamplingParams
+
+    rt = Runtime.from_bundle(bundle, backend="onnxruntime", max_batch=4)
+    has_text = rt.codec is not None
+    prompts = ["def parse_args(argv):", "import os\n", "class Foo:", "for i in range("] if has_text else [
+        [1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    want = rt.generate(prompts, SamplingParams(max_new_tokens=16), mode="ar")
+    repo = write_repository(bundle, tmp_path / "repo", model_name=MODEL, max_batch=4, env_path=triton_env.model_env)
+    with TritonServer(repo, triton_env, log_path=tmp_path / "server.log", models=[MODEL]) as srv:
+        def one(i):
+            key = "text_input" if has_text else "input_ids"
+            body = {key: prompts[i % 4], "max_tokens": 16, "mode": ["retrace", "dflash", "ar"][i % 3]}
+            return generate(srv, body, timeout=300)
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            outs = list(pool.map(one, range(8)))
+    for i, (status, out) in enumerate(outs):
+        assert status == 200, out
+        assert as_list(out["output_ids"]) == want[i % 4].token_ids  # greedy: lossless in every mode
+        if has_text:
+            assert out["text_output"] == want[i % 4].text
+        st = stats_of(out)
+        assert st["rounds"] >= 1 and st["max_batch_seen"] >= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--backend", default="onnxruntime", help="runtime backend (default: onnxruntime)")
     w.add_argument("--max-tokens", type=int, default=0, help="cap on max_tokens (0: from the bundle)")
     w.add_argument("--modes", default="retrace,dflash,ar", help="modes clients may ask for; first is the default")
+    w.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for Runtime.from_bundle (VALUE parsed as JSON), e.g. threads=4")
     w.add_argument("--no-copy-bundle", action="store_true", help="reference the bundle by absolute path")
     g = w.add_mutually_exclusive_group()
     g.add_argument("--env", default=None, help="EXECUTION_ENV_PATH to use instead of the cached model env")
@@ -42,13 +45,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             for k, v in env.as_dict().items():
                 print(f"{k}: {v}")
         elif args.cmd == "write":
+            options = {}
+            for item in args.runtime_option:
+                key, sep, value = item.partition("=")
+                if not sep or not key:
+                    raise RepositoryError(f"--runtime-option wants KEY=VALUE, got {item!r}")
+                try:
+                    options[key] = json.loads(value)
+                except ValueError:
+                    options[key] = value
             env_path = args.env
             if env_path is None and not args.no_env:
                 env_path = ensure_triton_env(args.cache_dir).model_env
             out = write_repository(
                 args.bundle, args.out, model_name=args.name, instances=args.instances, max_batch=args.max_batch,
                 copy_bundle=not args.no_copy_bundle, env_path=env_path, backend=args.backend,
-                max_tokens=args.max_tokens, modes=args.modes.split(","), force=args.force,
+                max_tokens=args.max_tokens, modes=args.modes.split(","), runtime_options=options or None,
+                force=args.force,
             )
             print(f"wrote {out}/{args.name} (env: {env_path or 'server Python'})")
         else:

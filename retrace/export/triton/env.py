@@ -105,6 +105,8 @@ def default_cache_dir() -> Path:
 def _base_python(python: str | os.PathLike[str] | None) -> Path:
     if python is not None:
         return Path(python)
+    if os.environ.get("RETRACE_TRITON_PYTHON"):
+        return Path(os.environ["RETRACE_TRITON_PYTHON"])
     # From inside a venv, build the model env from the interpreter the venv was made from.
     return Path(getattr(sys, "_base_executable", None) or sys.executable)
 
@@ -189,8 +191,8 @@ def ensure_triton_env(
 ) -> TritonEnv:
     """Return a ready :class:`TritonEnv`, creating the server install and model env on first use.
 
-    ``python`` is the interpreter the model env is built from (default: the base interpreter of the
-    running one); it must be a shared-libpython build whose version has a python-backend stub (3.8-3.13).
+    ``python`` is the interpreter the model env is built from (default: ``$RETRACE_TRITON_PYTHON`` or the
+    base interpreter of the running one); it must be a shared-libpython build whose version has a python-backend stub (3.8-3.13).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()

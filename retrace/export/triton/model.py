@@ -97,6 +97,7 @@ class TritonPythonModel:
         from retrace.export.triton.validation import INPUTS, Limits, RequestError, parse_request
 
         self._parse, self._RequestError, self._input_names = parse_request, RequestError, tuple(INPUTS)
+        self._Job = serving.Job
         bundle = resolve(params.get("RETRACE_BUNDLE", "bundle"))
         manifest = serving.read_manifest(bundle)
         max_batch = int(params.get("RETRACE_MAX_BATCH", "8"))
@@ -127,8 +128,6 @@ class TritonPythonModel:
              f"{type(runtime).__name__}, max_batch={max_batch}, limits={self.limits}")
 
     def execute(self, requests):
-        from retrace.export.triton.serving import Job
-
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -143,7 +142,7 @@ class TritonPythonModel:
             except Exception as e:  # a bug must still answer the client
                 sender.send(_error(f"could not read the request: {type(e).__name__}: {e}", "internal"), flags=_FINAL)
                 continue
-            self.loop.submit(Job(spec=spec, sink=_TritonSink(sender)))
+            self.loop.submit(self._Job(spec=spec, sink=_TritonSink(sender)))
         return None
 
     def finalize(self):

@@ -92,7 +92,8 @@ def write_repository(
     ``env_path``: the python-backend execution environment (``EXECUTION_ENV_PATH``), e.g.
     ``ensure_triton_env().model_env``; None leaves the model in the server's own Python (which then
     needs numpy<2 and the runtime's packages). ``runtime_factory``/``runtime_options`` replace the real
-    runtime (tests only). ``vendor_package=False`` imports retrace from the environment or
+    runtime (tests only); ``runtime_options`` alone are extra keyword arguments for
+    ``Runtime.from_bundle`` (e.g. ``{"threads": 4, "max_seq_len": 2048}`` for onnxruntime). ``vendor_package=False`` imports retrace from the environment or
     ``pythonpath`` instead of a copy inside the repository.
     """
     bundle = Path(bundle_dir).absolute()
@@ -143,7 +144,8 @@ def write_repository(
             params["RETRACE_PYTHONPATH"] = os.pathsep.join(str(Path(p).absolute()) for p in pythonpath)
         if runtime_factory:
             params["RETRACE_RUNTIME_FACTORY"] = runtime_factory
-            params["RETRACE_RUNTIME_OPTIONS"] = json.dumps(runtime_options or {})
+        if runtime_options:
+            params["RETRACE_RUNTIME_OPTIONS"] = json.dumps(runtime_options)
         (model_dir / "config.pbtxt").write_text(render_config(model_name, instances=instances, parameters=params))
         meta = {
             "generator": f"retrace {retrace.__version__}",
