@@ -57,9 +57,9 @@ def test_tactics_are_the_tile_table():
 
 def test_launch_grid():
     t = tk.Tile(7, 16, 64, 32)
-    assert tp.launch_grid(10, 24, t) == (1, 1)
-    assert tp.launch_grid(16 * 8, 4096, t) == (8, 64)
-    assert tp.launch_grid(17, 65, t) == (2, 2)
+    assert tk.launch_grid(10, 24, t) == (1, 1)
+    assert tk.launch_grid(16 * 8, 4096, t) == (8, 64)
+    assert tk.launch_grid(17, 65, t) == (2, 2)
 
 
 # ---- a minimal recording stand-in for tensorrt / tensorrt.plugin ----

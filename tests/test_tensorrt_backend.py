@@ -61,7 +61,7 @@ def test_pick_profile():
 
 # ---- a stand-in TensorRT that computes on the bound CPU memory ----
 
-V, KD = 5, 4
+V, KD, D = 5, 4, 6
 
 
 def _at(ptr: int, shape, dtype) -> torch.Tensor:
@@ -92,23 +92,37 @@ def _fake_trt(calls):
             self.ptrs[name] = ptr
 
         def get_tensor_shape(self, name):
+            hkv, hd = self.shapes["past_key_0"][1], self.shapes["past_key_0"][3]
+            if "block_ids" in self.shapes:  # drafter
+                n, b = self.shapes["block_ids"]
+                c = self.shapes["ctx_positions"][1]
+                return {"hidden": (n, b, D), "logits": (n, b - 1, V)}.get(name, (n, hkv, c, hd))
             n, t = self.shapes["input_ids"]
             k = self.shapes["logits_index"][1]
-            hkv, hd = self.shapes["past_key_0"][1], self.shapes["past_key_0"][3]
             return {"logits": (n, k, V), "taps": (n, t, KD)}.get(name, (n, hkv, t, hd))
 
         def execute_async_v3(self, stream):
             s, p = self.shapes, self.ptrs
-            ids = _at(p["input_ids"], s["input_ids"], torch.int64)
-            pos = _at(p["position_ids"], s["position_ids"], torch.int64)
-            lidx = _at(p["logits_index"], s["logits_index"], torch.int64)
             past = _at(p["past_key_0"], s["past_key_0"], torch.float16).clone()
-            calls.append(("run", s["input_ids"], s["past_key_0"][2], past))
-            n, t = s["input_ids"]
+            drafter = "block_ids" in s
+            pos_name = "ctx_positions" if drafter else "position_ids"
+            pos = _at(p[pos_name], s[pos_name], torch.int64)
+            calls.append(("run", s["block_ids" if drafter else "input_ids"], s["past_key_0"][2], past))
             logits = _at(p["logits"], self.get_tensor_shape("logits"), torch.float32)
-            logits[:] = torch.gather(ids, 1, lidx).float()[..., None] + torch.arange(V)
-            _at(p["taps"], self.get_tensor_shape("taps"), torch.float32)[:] = pos.float()[..., None]
-            for i in range(2):
+            if drafter:
+                ids = _at(p["block_ids"], s["block_ids"], torch.int64)
+                memory = _at(p["memory"], s["memory"], torch.float16)
+                valid = _at(p["valid"], s["valid"], torch.float16)
+                hidden = _at(p["hidden"], self.get_tensor_shape("hidden"), torch.float16)
+                hidden[:] = memory + valid[..., None]
+                logits[:] = ids[:, 1:].float()[..., None] + torch.arange(V)
+            else:
+                ids = _at(p["input_ids"], s["input_ids"], torch.int64)
+                lidx = _at(p["logits_index"], s["logits_index"], torch.int64)
+                logits[:] = torch.gather(ids, 1, lidx).float()[..., None] + torch.arange(V)
+                _at(p["taps"], self.get_tensor_shape("taps"), torch.float32)[:] = pos.float()[..., None]
+            layers = sum(1 for n in p if n.startswith("new_key_"))
+            for i in range(layers):
                 kv = pos.to(torch.float16)[:, None, :, None] + 100 * i
                 shape = self.get_tensor_shape("new_key_0")
                 _at(p[f"new_key_{i}"], shape, torch.float16)[:] = kv
@@ -117,7 +131,8 @@ def _fake_trt(calls):
 
     class Engine:
         def get_tensor_dtype(self, name):
-            if name in ("input_ids", "position_ids", "past_len", "logits_index"):
+            if name in ("input_ids", "position_ids", "past_len", "logits_index", "ctx_positions", "block_ids",
+                        "block_positions", "corr_index"):
                 return trt.int64
             return trt.float32 if name in ("logits", "taps") else trt.float16
 
@@ -130,24 +145,37 @@ def _fake_trt(calls):
 
         def deserialize_cuda_engine(self, blob):
             assert blob == b"PLAN"
-            return Engine()
+            return Engine()  # the target and the drafter differ only by the inputs they are given
 
     trt.Runtime = Runtime
     trt.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda self, level: None})
     return trt
 
 
-def _engine_dir(tmp_path):
-    shapes, resolved = _resolved()
-    (tmp_path / "target.plan").write_bytes(b"PLAN")
+def _drafter_resolved(limits=(4, 256, 16, 128), hkv=2, hd=3):
+    shapes = {"ctx_taps": [None, None, KD], "ctx_positions": [None, None], "block_ids": [None, None],
+              "block_positions": [None, None], "past_len": [None], "past_key_0": [None, hkv, None, hd],
+              "past_value_0": [None, hkv, None, hd], "memory": [None, None, D], "features": [None, None, 3],
+              "valid": [None, None], "corr_index": [None, None]}
+    prof = te.optimisation_profiles(*limits)["drafter"]
+    return shapes, {p: te.resolve_profile(prof[p], shapes) for p in te.PROFILES}
+
+
+def _graph_entry(shapes, resolved, outputs, table):
+    return {"plan": "x.plan", "inputs": list(shapes), "outputs": outputs, "output_table": table,
+            "shapes": {p: {n: [list(x) for x in v] for n, v in resolved[p].items()} for p in te.PROFILES}}
+
+
+def _engine_dir(tmp_path, drafter=False):
+    (tmp_path / "x.plan").write_bytes(b"PLAN")
     outputs = ["logits", "taps"] + [f"new_{kv}_{i}" for kv in ("key", "value") for i in range(2)]
+    graphs = {"target": _graph_entry(*_resolved(), outputs, te.TARGET_OUTPUTS)}
+    if drafter:
+        graphs["drafter"] = _graph_entry(*_drafter_resolved(), ["hidden", "logits", "new_key_0", "new_value_0"],
+                                         te.DRAFTER_OUTPUTS)
     manifest = {"limits": dict(zip(("max_batch", "max_seq_len", "block_size", "max_prompt_len"), (4, 256, 16, 128),
                                    strict=True)),
-                "plugin": "none", "profiles": list(te.PROFILES),
-                "graphs": {"target": {"plan": "target.plan", "inputs": list(shapes), "outputs": outputs,
-                                      "output_table": te.TARGET_OUTPUTS,
-                                      "shapes": {p: {n: [list(x) for x in v] for n, v in resolved[p].items()}
-                                                 for p in te.PROFILES}}}}
+                "plugin": "none", "profiles": list(te.PROFILES), "graphs": graphs}
     (tmp_path / "tensorrt.json").write_text(json.dumps(manifest))
     return tmp_path
 
@@ -187,3 +215,33 @@ def test_target_calls_bind_profiles_and_caches(monkeypatch, tmp_path):
     assert torch.equal(k1[0, 0, :4, 0], torch.tensor([100.0, 101, 102, 103], dtype=torch.float16))
     assert torch.equal(k1[1, 0, :8, 0], torch.tensor([100.0, 101, 102, 103, 104, 105, 106, 107],
                                                      dtype=torch.float16))
+
+
+def test_draft_calls_feed_suffix_or_identity(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_trt(calls))
+    be = tb.TensorRTBackend(_engine_dir(tmp_path, drafter=True), target_config=None, device="cpu")
+    assert be.has_conditioner and be.caches["drafter"].k[0].shape == (4, 2, 256, 3)
+    b = 16
+    block_ids = torch.arange(b).repeat(2, 1)
+    block_pos = torch.arange(b).repeat(2, 1) + 5
+    # first round: 5 prompt taps as context, no memory -> valid 0 everywhere (plain DFlash)
+    hidden, logits = be.draft(torch.tensor([2, 3]), torch.zeros(2, 5, KD), torch.arange(5).repeat(2, 1), block_ids,
+                              block_pos, None)
+    assert calls[0] == ("profile", 0) and calls[1][1:3] == ((2, b), 0)
+    assert hidden.shape == (2, b, D) and hidden.dtype == torch.float32 and not hidden.any()
+    assert torch.equal(logits[0, 0], 1 + torch.arange(V, dtype=torch.float32))
+    assert torch.equal(be.caches["drafter"].k[0][3, 1, :5, 0], torch.arange(5, dtype=torch.float16))
+    # next round: memory for the slots with valid == 1 reaches the engine
+    from retrace.models.drafter import SuffixInputs
+
+    valid = torch.zeros(2, b)
+    valid[:, 1:4] = 1
+    suffix = SuffixInputs(memory=torch.full((2, b, D), 2.0), features=torch.zeros(2, b, 3), valid=valid,
+                          corr_index=torch.zeros(2, b, dtype=torch.int64))
+    calls.clear()
+    hidden, _ = be.draft(torch.tensor([2, 3]), torch.zeros(2, 3, KD), torch.tensor([[5, 6, 7], [5, 6, 7]]),
+                         block_ids, block_pos + 3, suffix)
+    assert calls[0] == ("profile", 1) and calls[1][2] == 5  # verify-sized context, P = 5
+    assert torch.equal(hidden[:, :, 0], 2.0 + valid)
+    assert torch.equal(be.caches["drafter"].k[0][2, 0, :8, 0], torch.arange(8, dtype=torch.float16))

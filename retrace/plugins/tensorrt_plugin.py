@@ -75,11 +75,6 @@ def tactics(plugin: str) -> list[int]:
     return [t.tactic for t in tk.TILES] if plugin in STAGE_OF_PLUGIN else []
 
 
-def launch_grid(n_rows, d, tile: tk.Tile, cdiv=lambda a, b: -(-a // b)):
-    """(grid_x, grid_y) of both kernels: row tiles x output-channel tiles. `cdiv` may be trtp.cdiv."""
-    return cdiv(n_rows, tile.block_m), cdiv(d, tile.block_n)
-
-
 def aot_target(spec: str | None = None):
     """`GPUTarget` from "cuda:<arch>" (spec or $RETRACE_TRITON_TARGET), or None for the current GPU."""
     spec = spec if spec is not None else os.environ.get(TARGET_ENV)
@@ -151,7 +146,7 @@ def _define(trt, trtp) -> None:
         k = compiled(stage, _dtype_name(trt, first.dtype), int(tactic), float(eps), os.environ.get(TARGET_ENV),
                      *free)
         n_rows, d = n_rows_and_d(first)
-        gx, gy = launch_grid(n_rows, d, k.tile, trtp.cdiv)
+        gx, gy = tk.launch_grid(n_rows, d, k.tile, trtp.cdiv)
         launch = trtp.KernelLaunchParams()
         launch.grid_x = gx
         launch.grid_y = gy

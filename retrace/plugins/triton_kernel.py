@@ -98,12 +98,11 @@ def kernel_signature(stage: str, dtype: torch.dtype, overrides: dict[str, torch.
     types = {name: triton_type(dtype) for name in inputs + outputs}
     types.update({name: triton_type(dt) for name, dt in (overrides or {}).items() if name in types})
     types["refined"] = "fp32"
-    sig = {f"{name}_ptr": f"*{types[name]}" for name in inputs + outputs}
-    ordered = {f"{n}_ptr": sig[f"{n}_ptr"] for n in inputs}
-    ordered.update({n: "i32" for n in scalars})
-    ordered.update({f"{n}_ptr": sig[f"{n}_ptr"] for n in outputs})
-    ordered.update({c: "constexpr" for c in CONSTEXPRS[stage]})
-    return ordered
+    sig = {f"{n}_ptr": f"*{types[n]}" for n in inputs}
+    sig.update({n: "i32" for n in scalars})
+    sig.update({f"{n}_ptr": f"*{types[n]}" for n in outputs})
+    sig.update({c: "constexpr" for c in CONSTEXPRS[stage]})
+    return sig
 
 
 def interpreting() -> bool:
@@ -139,16 +138,16 @@ def kernels():
     return {"refine": _triton_kernels.gsf_refine_kernel, "fuse": _triton_kernels.gsf_fuse_kernel}
 
 
-def _grid(n_rows: int, d: int, tile: Tile) -> tuple[int, int]:
-    return (-(-n_rows // tile.block_m), -(-d // tile.block_n))
+def launch_grid(n_rows, d, tile: Tile, cdiv=lambda a, b: -(-a // b)):
+    """(grid_x, grid_y) of both kernels: row tiles x output-channel tiles. `cdiv` may be symbolic
+    (tensorrt.plugin.cdiv)."""
+    return cdiv(n_rows, tile.block_m), cdiv(d, tile.block_n)
 
 
 def run_gated_suffix_fusion(x, memory, correction, features, valid, w_refine, w_gate, b_gate,
-                            norm_weight, w_value, eps: float = 1e-6, tile: Tile = DEFAULT_TILE,
-                            refined_out: torch.Tensor | None = None) -> torch.Tensor:
+                            norm_weight, w_value, eps: float = 1e-6, tile: Tile = DEFAULT_TILE) -> torch.Tensor:
     """Launch both kernels. Shapes as the reference: x/memory/correction [..., d], features [..., F],
-    valid [...]; weights w_refine [d, 2d], w_gate [d, 2d+F], b_gate [d], norm_weight [d], w_value [d, d].
-    `refined_out` (fp32 [M, d]) may be passed to reuse a scratch buffer."""
+    valid [...]; weights w_refine [d, 2d], w_gate [d, 2d+F], b_gate [d], norm_weight [d], w_value [d, d]."""
     d = x.shape[-1]
     lead = x.shape[:-1]
     n_feat = features.shape[-1]
@@ -172,19 +171,18 @@ def run_gated_suffix_fusion(x, memory, correction, features, valid, w_refine, w_
         valid = valid.to(x.dtype)
 
     def flat(t, cols):
-        return t.reshape(n_rows, cols).contiguous() if cols else t.reshape(n_rows, 0)
+        return t.reshape(n_rows, cols).contiguous()
 
     x2, m2, c2 = flat(x, d), flat(memory, d), flat(correction, d)
     f2 = flat(features, n_feat)
     v1 = valid.reshape(n_rows).contiguous()
-    if refined_out is None:
-        refined_out = torch.empty((n_rows, d), dtype=torch.float32, device=x.device)
+    refined = torch.empty((n_rows, d), dtype=torch.float32, device=x.device)
     k = kernels()
-    grid = _grid(n_rows, d, tile)
+    grid = launch_grid(n_rows, d, tile)
     opts = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
-    k["refine"][grid](m2, c2, w_refine.contiguous(), n_rows, d, refined_out,
+    k["refine"][grid](m2, c2, w_refine.contiguous(), n_rows, d, refined,
                       **stage_constexprs("refine", x.dtype, tile, eps), **opts)
-    k["fuse"][grid](x2, refined_out, f2, v1, w_gate.contiguous(), b_gate.contiguous(),
+    k["fuse"][grid](x2, refined, f2, v1, w_gate.contiguous(), b_gate.contiguous(),
                     norm_weight.contiguous(), w_value.contiguous(), n_rows, d, n_feat, out.view(n_rows, d),
                     **stage_constexprs("fuse", x.dtype, tile, eps), **opts)
     return out

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from retrace.errors import RetraceError
+from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.plugins.errors import RetraceMissingDependency, require_tensorrt
+from retrace.runtime.torch_backend import KVCache
 
 ENGINE_SUBDIR = "tensorrt"
 ENGINE_MANIFEST = "tensorrt.json"
@@ -109,23 +111,17 @@ class _Engine:
         return [template.format(i=i) for i in range(self.layers())]
 
 
-class _Cache:
+class _DeviceKVCache(KVCache):
+    """The torch backend's per-slot K/V cache (same `past`/`write`), allocated on the engine's device."""
+
     def __init__(self, layers: int, slots: int, kv_heads: int, length: int, head_dim: int, dtype, device):
         shape = (slots, kv_heads, length, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
     def feeds(self, slots: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
-        out = {}
-        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-            out[f"past_key_{i}"] = k[slots, :, :length]
-            out[f"past_value_{i}"] = v[slots, :, :length]
-        return out
-
-    def write(self, slots: torch.Tensor, positions: torch.Tensor, new_k: list[torch.Tensor], new_v: list[torch.Tensor]):
-        rows = slots[:, None]
-        for cache, new in zip(self.k + self.v, new_k + new_v, strict=True):
-            cache[rows, :, positions] = new.transpose(1, 2).to(cache.dtype)
+        pk, pv = self.past(slots, length)
+        return {**{f"past_key_{i}": k for i, k in enumerate(pk)}, **{f"past_value_{i}": v for i, v in enumerate(pv)}}
 
 
 class TensorRTBackend:
@@ -169,18 +165,14 @@ class TensorRTBackend:
         self.has_conditioner = "drafter" in self.engines and "memory" in self.engines["drafter"].inputs
         self.caches = {}
         for g, eng in self.engines.items():
-            layers = eng.layers()
-            lo = eng.profile_shapes[0]["past_key_0"][0] if layers else None
-            dtype = eng.dtypes["past_key_0"] if layers else torch.float16
-            self.caches[g] = _Cache(layers, self.max_batch, lo[1] if lo else 0, self.max_seq_len,
-                                    lo[3] if lo else 0, dtype, self.device)
+            _, kv_heads, _, head_dim = eng.profile_shapes[0]["past_key_0"][0]  # static dims of [N, Hkv, P, hd]
+            self.caches[g] = _DeviceKVCache(eng.layers(), self.max_batch, kv_heads, self.max_seq_len, head_dim,
+                                            eng.dtypes["past_key_0"], self.device)
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, engine_dir: str | Path | None = None, device: str = "cuda",
                     target_subdir: str = "target", drafter_subdir: str = "drafter") -> TensorRTBackend:
         require_tensorrt("The TensorRT backend")  # before anything else: one clear message
-        from retrace.models.config import DrafterConfig, Qwen3Config
-
         bundle = Path(bundle_dir)
         target_config = Qwen3Config.from_dir(bundle / target_subdir)
         drafter_dir = bundle / drafter_subdir
