@@ -145,6 +145,10 @@ def test_write_repository_refuses(tmp_path, kw, needle):
         write_repository(bundle, tmp_path / "repo", **kw)
     with pytest.raises(RepositoryError, match="no manifest.json"):
         write_repository(tmp_path, tmp_path / "repo2")
+    with pytest.raises(RepositoryError, match="must not contain the bundle"):
+        write_repository(bundle, tmp_path, force=True)
+    with pytest.raises(RepositoryError, match="must not be inside the bundle"):
+        write_repository(bundle, bundle / "repo")
     assert not (tmp_path / "repo").exists()
 
 

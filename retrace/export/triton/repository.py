@@ -117,6 +117,8 @@ def write_repository(
         raise RepositoryError(f"{out} exists; pass force=True (--force) to replace it")
     if out == bundle or out in bundle.parents:
         raise RepositoryError(f"the repository {out} must not contain the bundle {bundle}")
+    if bundle in out.parents:
+        raise RepositoryError(f"the repository {out} must not be inside the bundle {bundle}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
