@@ -129,7 +129,7 @@ def write_repository(
         if vendor_package:
             shutil.copytree(Path(retrace.__file__).parent, model_dir / "1" / "retrace", ignore=_ignore)
         if copy_bundle:
-            shutil.copytree(bundle, model_dir / "bundle", ignore=_ignore)
+            shutil.copytree(bundle, model_dir / "bundle")  # every file: the runtime re-hashes them
             bundle_param = "bundle"
         else:
             bundle_param = str(bundle)
