@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean triton-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,8 +29,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check retrace tests benchmarks
 
+# tritonserver 2.51 (from nvidia-pytriton) + the model's numpy<2 env, built once and cached (~1-3 min)
+triton-env: $(STAMP)
+	PYTHON=$(BIN)/python scripts/triton_env.sh
+
 test: $(STAMP)
 	$(BIN)/ruff check retrace tests benchmarks
+	PYTHON=$(BIN)/python scripts/triton_env.sh
 	$(BIN)/python -m pytest -q -x --durations=15
 
 bench: $(STAMP)
