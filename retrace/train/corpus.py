@@ -202,7 +202,9 @@ def pydoc_topics(root: str | Path | None = None) -> dict[str, str]:
     except (OSError, SyntaxError, UnicodeDecodeError):
         return {}
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "topics" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "topics" for t in node.targets
+        ):
             try:
                 value = ast.literal_eval(node.value)
             except ValueError:
