@@ -95,6 +95,8 @@ class DrafterGraph(nn.Module):
     def __init__(self, drafter: DFlashDrafter, num_layers: int, suffix: bool):
         super().__init__()
         self.drafter = drafter
+        # registered here so the shared embedding / LM head keep readable initializer names
+        self.shared_target = drafter.target
         self.num_layers = num_layers
         self.suffix = suffix
 
@@ -228,6 +230,7 @@ def _export(module: nn.Module, args: tuple, names_in: list[str], names_out: list
             out_dir: Path, attention: str, name: str, with_function: bool) -> ExportedGraph:
     import onnx
     import onnx_ir as ir
+    import onnx_ir.passes.common as common_passes
     import onnxscript.optimizer
     import onnxscript.rewriter.onnx_fusions
 
@@ -240,10 +243,15 @@ def _export(module: nn.Module, args: tuple, names_in: list[str], names_out: list
                                      output_names=names_out, dynamo=True, opset_version=OPSET, optimize=False,
                                      verbose=False, report=False, verify=False)
             model = prog.model
+            _name_transposed_weights(model)
+            # one Transpose per weight even where a layer uses it twice (the drafter's k/v projections)
+            common_passes.CommonSubexpressionEliminationPass()(model)
             # constant folding / dead code, then (native form) RMSNormalization + RotaryEmbedding fusions
             onnxscript.optimizer.optimize_ir(model)
             if attention == "native":
                 onnxscript.rewriter.onnx_fusions.fuse(model)
+                common_passes.CommonSubexpressionEliminationPass()(model)  # per-layer cos/sin caches
+                onnxscript.optimizer.optimize_ir(model)
     except RetraceError:
         raise
     except Exception as e:  # noqa: BLE001 - the exporter raises many types; keep the cause attached
@@ -261,6 +269,23 @@ def _export(module: nn.Module, args: tuple, names_in: list[str], names_out: list
     graph = census(proto, name, path, data if data.exists() else None, names_in, names_out, attention)
     graph.seconds = time.perf_counter() - t0
     return graph
+
+
+def _name_transposed_weights(model) -> None:
+    """Linear layers export as MatMul(x, Transpose(W)); constant folding turns Transpose(W) into a new
+    initializer named after its output (val_123). Name those outputs `<weight>.T` first, so every weight
+    in the bundle keeps a readable name (for debugging, TensorRT refit, weight sharing)."""
+    taken = {v.name for v in model.graph.initializers.values()}
+    for node in model.graph:
+        if node.op_type != "Transpose" or not node.inputs or node.inputs[0] is None:
+            continue
+        src = node.inputs[0]
+        if not src.is_initializer():
+            continue
+        name = f"{src.name}.T"
+        if name not in taken:
+            node.outputs[0].name = name
+            taken.add(name)
 
 
 def _strip_metadata(proto) -> None:

@@ -1,0 +1,61 @@
+"""A tiny model pair and its engine bundle, built ONCE per test session (shared by tests/test_export_*.py
+and tests/test_engine_*.py: exporting costs ~5-10 s per graph, so every test reuses this build).
+
+`pair_and_bundle()` -> Built(target, drafter, bundle, build_output, prompts): a random 2-layer Qwen3 target with
+a word-level tokenizer and EOS-free generation, a random 1-layer drafter (block 8) with a random non-zero
+ReTrace conditioner, and `retrace-export build` run through click's CliRunner on them (so the CLI
+itself is exercised). Tests must not modify `bundle`; copy it (`copy_bundle`) to tamper with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB = 96
+BLOCK = 8
+MAX_SEQ = 160
+MAX_BATCH = 4
+
+
+@dataclass(frozen=True)
+class Built:
+    root: Path
+    target: Path
+    drafter: Path
+    bundle: Path
+    build_output: str
+
+
+def _tmp_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="retrace-export-tests-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.cache
+def pair_and_bundle() -> Built:
+    from click.testing import CliRunner
+    from runtime_fixtures import write_pair
+
+    from retrace.export.cli import main
+
+    root = _tmp_root()
+    target, drafter = write_pair(root, vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
+                                 block_size=BLOCK, conditioner="random", seed=3)
+    bundle = root / "bundle"
+    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out", str(bundle),
+                                    "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ)])
+    if res.exit_code != 0:
+        raise RuntimeError(f"retrace-export build failed ({res.exit_code}):\n{res.output}\n{res.exception!r}")
+    return Built(root, target, drafter, bundle, res.output)
+
+
+def copy_bundle(dst: Path) -> Path:
+    """A private copy of the session bundle (to tamper with or replace)."""
+    shutil.copytree(pair_and_bundle().bundle, dst)
+    return dst
