@@ -63,6 +63,8 @@ def _common_train(fn):
         click.option("--threads", type=int, default=None, help="CPU threads"),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--resume", is_flag=True, help="continue from OUT/train_state (optimizer, schedule, step)"),
+        click.option("--stop-after", type=int, default=None,
+                     help="end this run after N more steps (dflash) / phases (conditioner), checkpointed"),
         click.option("--quiet", is_flag=True, help="no progress bars"),
         click.option("--json", "as_json", is_flag=True, help="print the final metrics as JSON"),
     ]
@@ -94,8 +96,8 @@ def train() -> None:
 @click.option("--gen-temperature", type=float, default=0.0, show_default=True)
 @_user_errors
 def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_prompt_len, batch_size, blocks_per_seq,
-               lr, warmup, weight_decay, grad_clip, gamma, device, bf16, threads, seed, resume, quiet, as_json,
-               out_dir, block_size, num_layers, target_layer_ids, intermediate_size, mask_token_id, init, steps,
+               lr, warmup, weight_decay, grad_clip, gamma, device, bf16, threads, seed, resume, stop_after, quiet,
+               as_json, out_dir, block_size, num_layers, target_layer_ids, intermediate_size, mask_token_id, init, steps,
                grad_accum, eval_every, save_every, gen_batch, gen_temperature) -> None:
     """Distil a DFlash drafter from a frozen target on the target's own responses."""
     from retrace.train.dflash import DFlashConfig, train_dflash
@@ -106,7 +108,7 @@ def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_p
         val_prompts=val_prompts, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens, gen_batch=gen_batch,
         gen_temperature=gen_temperature, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
         blocks_per_seq=blocks_per_seq, grad_clip=grad_clip, gamma=gamma, eval_every=eval_every,
-        save_every=save_every, seed=seed, device=device, bf16=bf16, threads=threads)
+        save_every=save_every, stop_after=stop_after, seed=seed, device=device, bf16=bf16, threads=threads)
     if lr is not None:
         cfg.lr = lr
     if warmup is not None:
@@ -114,6 +116,9 @@ def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_p
     if weight_decay is not None:
         cfg.weight_decay = weight_decay
     m = train_dflash(target_dir, out_dir, data, cfg, resume=resume, progress=not quiet)
+    if m.get("stopped") and not as_json:
+        click.echo(f"stopped at step {m['steps']} of {steps}; continue with --resume")
+        return
     if as_json:
         click.echo(json.dumps(m))
     else:
@@ -140,7 +145,7 @@ def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_p
 @_user_errors
 def conditioner_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_prompt_len, batch_size,
                     blocks_per_seq, lr, warmup, weight_decay, grad_clip, gamma, device, bf16, threads, seed, resume,
-                    quiet, as_json, drafter_dir, out_dir, block_size, phases, steps_per_phase, rollout_prompts,
+                    stop_after, quiet, as_json, drafter_dir, out_dir, block_size, phases, steps_per_phase, rollout_prompts,
                     rollout_batch, rollout_temperatures, gate_bias_init, reinit, unfreeze_drafter, drafter_lr,
                     eval_prompts) -> None:
     """Train the ReTrace conditioner on-policy on a frozen drafter and target."""
@@ -152,7 +157,7 @@ def conditioner_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, 
         rollout_temperatures=_floats(rollout_temperatures), phases=phases, steps_per_phase=steps_per_phase,
         batch_size=batch_size, blocks_per_seq=blocks_per_seq, grad_clip=grad_clip, gamma=gamma,
         gate_bias_init=gate_bias_init, reinit=reinit, unfreeze_drafter=unfreeze_drafter, drafter_lr=drafter_lr,
-        eval_prompts=eval_prompts, seed=seed, device=device, bf16=bf16, threads=threads)
+        eval_prompts=eval_prompts, stop_after=stop_after, seed=seed, device=device, bf16=bf16, threads=threads)
     if lr is not None:
         cfg.lr = lr
     if warmup is not None:

@@ -75,6 +75,7 @@ class ConditionerConfig:
     # bookkeeping
     eval_prompts: int = 32
     eval_new_tokens: int = 64
+    stop_after: int | None = None  # end this invocation after N more phases (checkpointed; --resume continues)
     seed: int = 0
     device: str = "auto"
     bf16: bool | None = None
@@ -275,7 +276,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     roll_s = train_s = 0.0
     bar = cm.progress_bar(total_steps, "conditioner", progress, initial=step)
     last = {}
-    while phase < cfg.phases:
+    stop_at = cfg.phases if cfg.stop_after is None else min(cfg.phases, phase + cfg.stop_after)
+    while phase < stop_at:
         # 1. on-policy rollout with the current conditioner
         t0 = time.perf_counter()
         k = cfg.rollout_prompts
@@ -366,7 +368,7 @@ def _paired(btot: dict) -> dict:
 
 def _resume_key(cfg: ConditionerConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("phases", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch"):
+    for k in ("phases", "stop_after", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch"):
         d.pop(k, None)
     return d
 

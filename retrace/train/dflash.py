@@ -67,6 +67,7 @@ class DFlashConfig:
     eval_tau_prompts: int = 32
     eval_tau_new_tokens: int = 64
     cache_taps_mb: int = 2048
+    stop_after: int | None = None  # end this invocation after N more steps (checkpointed; --resume continues)
     seed: int = 0
     device: str = "auto"
     bf16: bool | None = None  # None: on for CUDA, off for CPU
@@ -416,8 +417,13 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
                           f"taps {dconf.target_layer_ids}, init {cfg.init}, device {device}, bf16 {bf16}")
     bar = cm.progress_bar(cfg.steps, "dflash", progress, initial=step)
     ema, last_eval = None, {}
+    if step == 0 and dval.seqs and cfg.eval_every:
+        history.append({"step": 0, **{f"val_{k}": v for k, v in
+                                       evaluate_blocks(drafter, target, dval, val_anchors, cfg, device, weights,
+                                                       bf16).items()}})
     t_train = time.perf_counter()
     steps_run = 0
+    stop_at = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
 
     def save(step_now):
         info = {"kind": "dflash", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
@@ -425,7 +431,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
         cm.save_train_state(out, params, opt, step_now, info, rng={"anchors": agen.get_state()})
         drafter.save_pretrained(out, save_conditioner=False)
 
-    while step < cfg.steps:
+    while step < stop_at:
         cm.set_lr(opt, cm.lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio))
         tot: dict = {}
         for _ in range(cfg.grad_accum):
@@ -453,12 +459,15 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
             if "tau_est" in last_eval:
                 post["val_tau"] = f"{last_eval['tau_est']:.2f}"
             bar.set_postfix(post)
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+        if cfg.save_every and step % cfg.save_every == 0 and step < stop_at:
             save(step)
     if bar is not None:
         bar.close()
     train_s = time.perf_counter() - t_train
     save(step)
+    if step < cfg.steps:
+        cm.log(progress, TAG, f"stopped at step {step} of {cfg.steps} (--stop-after); continue with --resume")
+        return {"kind": "dflash", "steps": step, "stopped": True, "train_loss": ema, "history": history}
 
     t0 = time.perf_counter()
     n_tau = min(cfg.eval_tau_prompts, len(val_p))
@@ -482,7 +491,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
 
 def _resume_key(cfg: DFlashConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("steps", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
+    for k in ("steps", "stop_after", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
               "cache_taps_mb", "gen_batch"):
         d.pop(k, None)
     return d

@@ -1,0 +1,96 @@
+"""DFlash distillation: loss goes down on a tiny target; checkpoints resume to the identical run; format."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from helpers import write_target
+from safetensors.torch import load_file
+
+from retrace.errors import RetraceError
+from retrace.models.config import DrafterConfig
+from retrace.train.dflash import DFlashConfig, find_mask_token_id, train_dflash
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread is faster (and immune to a busy machine's scheduling)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def write_prompts(path, n=40, vocab=128, seed=0):
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"prompt_ids": [r.randrange(3, vocab - 1) for _ in range(r.randint(4, 12))]}) + "\n")
+    return path
+
+
+def small_cfg(**kw):
+    base = dict(block_size=8, num_layers=1, mask_token_id=127, steps=12, batch_size=4, blocks_per_seq=6,
+                val_prompts=8, max_new_tokens=16, gen_batch=40, eval_every=12, save_every=0, eval_tau_prompts=4,
+                eval_tau_new_tokens=12, warmup=2, lr=3e-3, device="cpu", threads=1)
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dflash")
+    target = write_target(d / "target", vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96)
+    return target, write_prompts(d / "p.jsonl")
+
+
+def test_training_reduces_loss_and_writes_zlab_format(setup, tmp_path):
+    target, prompts = setup
+    m = train_dflash(target, tmp_path / "d", prompts, small_cfg(steps=24, eval_every=12), progress=False)
+    hist = m["history"]
+    assert hist[0]["step"] == 0 and hist[-1]["step"] == 24
+    assert hist[-1]["val_loss"] < hist[0]["val_loss"] - 0.1
+    cfg = DrafterConfig.from_dir(tmp_path / "d")
+    assert cfg.block_size == 8 and cfg.mask_token_id == 127
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and "dflash_config" in raw
+    names = set(load_file(str(tmp_path / "d" / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)  # the target's, never saved with the drafter
+    assert m["mask_row"]["ratio"] > 0.1
+    assert m["val_runtime_tau"]["tau_mean"] >= 1.0
+
+
+def test_resume_gives_identical_continuation(setup, tmp_path):
+    target, prompts = setup
+    cfg = small_cfg(steps=8, eval_every=0, eval_tau_prompts=0)
+    train_dflash(target, tmp_path / "full", prompts, cfg, progress=False)
+    cfg_a = small_cfg(steps=8, eval_every=0, eval_tau_prompts=0, stop_after=5)
+    m = train_dflash(target, tmp_path / "split", prompts, cfg_a, progress=False)
+    assert m["stopped"] and m["steps"] == 5
+    state = json.loads((tmp_path / "split" / "train_state" / "state.json").read_text())
+    assert state["step"] == 5
+    assert not list((tmp_path / "split" / "train_state").glob("*.pt*"))  # no pickles
+    train_dflash(target, tmp_path / "split", prompts, cfg, resume=True, progress=False)
+    a = load_file(str(tmp_path / "full" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # a checkpoint made with other settings is refused
+    with pytest.raises(RetraceError, match="different settings"):
+        train_dflash(target, tmp_path / "split", prompts, small_cfg(steps=8, lr=1e-2), resume=True, progress=False)
+
+
+def test_mask_token_lookup(tmp_path):
+    tok = {"added_tokens": [{"id": 0, "content": "<|endoftext|>"}, {"id": 2, "content": "<|mask|>"}], "model": {"vocab": {}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    assert find_mask_token_id(tmp_path, 100) == 2
+    assert find_mask_token_id(tmp_path, 100, 7) == 7
+    with pytest.raises(RetraceError, match="--mask-token-id"):
+        find_mask_token_id(tmp_path / "nowhere", 100)
+    with pytest.raises(RetraceError, match="outside"):
+        find_mask_token_id(tmp_path, 100, 100)
