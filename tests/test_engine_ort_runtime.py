@@ -1,0 +1,151 @@
+"""The ONNX Runtime backend end to end: `Runtime.from_bundle` decodes exactly what `Runtime.from_dirs` (torch)
+and transformers' greedy `generate` do, in ar / dflash / retrace modes, batch 1 and ragged batches, with
+drafts that are mostly rejected (random drafter) and mostly accepted (oracle drafter: every acceptance
+length occurs, so K/V rewinds, ragged acceptance and slot reuse all run through ORT); and
+`retrace generate --engine` through click's CliRunner.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, pair_and_bundle
+from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, single_thread, words
+
+from retrace.errors import RetraceError
+from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from retrace.runtime.tokenizer import TextCodec
+
+MAX_NEW = 64
+PROMPT_LENS = [6, 1, 13, 3, 21, 9]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def world(_one_thread):
+    built = pair_and_bundle()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    hf = load_hf_target(built.target)
+    greedy = [hf_greedy(hf, p, MAX_NEW + BLOCK + 2) for p in prompts]
+    return built, prompts, greedy
+
+
+def ort_runtime(built, oracle_seqs=None, **kw) -> Runtime:
+    be = OnnxRuntimeBackend.from_bundle(built.bundle, threads=1, **kw)
+    if oracle_seqs is not None:
+        be = OracleDrafter(be, oracle_seqs, seed=3)
+    return Runtime(be, TextCodec.find(built.bundle / "tokenizer"))
+
+
+def check(results, want, label):
+    for i, (r, w) in enumerate(zip(results, want, strict=True)):
+        assert r.token_ids == w, f"{label}, prompt {i}: got {r.token_ids[:12]}..., want {w[:12]}..."
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("mode", ["ar", "dflash", "retrace"])
+def test_greedy_equals_torch_backend_and_transformers(world, mode, batch):
+    built, prompts, greedy = world
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    want = [g[:MAX_NEW] for g in greedy[:batch]]
+    ort_res = Runtime.from_bundle(built.bundle, max_batch=MAX_BATCH, threads=1).generate(prompts[:batch], params, mode)
+    check(ort_res, want, f"onnxruntime {mode} batch {batch}")
+    torch_rt = Runtime.from_dirs(built.target, built.drafter, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)
+    torch_res = torch_rt.generate(prompts[:batch], params, mode)
+    assert [r.token_ids for r in ort_res] == [r.token_ids for r in torch_res]
+    assert [r.stats["accepted_hist"] for r in ort_res] == [r.stats["accepted_hist"] for r in torch_res]
+    assert all(r.text == words(r.token_ids) for r in ort_res)  # the bundle's tokenizer
+
+
+@pytest.mark.parametrize("mode", ["dflash", "retrace"])
+def test_accepted_drafts_slot_reuse_and_ragged_acceptance(world, mode):
+    """6 requests through 4 slots with an oracle drafter: finished requests free slots mid-run (the
+    next call's slots are no longer a contiguous range), every acceptance length 0..B-1 occurs."""
+    built, prompts, greedy = world
+    seqs = {tuple(p): p + g for p, g in zip(prompts, greedy, strict=True)}
+    rt = ort_runtime(built, seqs)
+    res = rt.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), mode)
+    check(res, [g[:MAX_NEW] for g in greedy], f"oracle {mode}")
+    stats = rt.run_stats()
+    assert len(stats["accepted_hist"]) == BLOCK and all(n > 0 for n in stats["accepted_hist"])
+    assert stats["tau"] > 1.5 and stats["backend"].startswith("oracle(onnxruntime")
+    if mode == "retrace":
+        assert rt.backend.suffix_valid_slots > 0
+
+
+def test_full_kv_mode_decodes_the_same(world):
+    built, prompts, greedy = world
+    seqs = {tuple(p): p + g for p, g in zip(prompts, greedy, strict=True)}
+    rt = ort_runtime(built, seqs, kv_mode="full")
+    res = rt.generate(prompts[:4], SamplingParams(max_new_tokens=32), "retrace")
+    check(res, [g[:32] for g in greedy[:4]], "kv_mode=full")
+
+
+def test_smaller_block_and_limits(world):
+    built, prompts, greedy = world
+    rt = Runtime.from_bundle(built.bundle, block_size=4, threads=1)
+    check(rt.generate(prompts[:2], SamplingParams(max_new_tokens=24), "dflash"), [g[:24] for g in greedy[:2]],
+          "block 4")
+    be = rt.backend
+    assert be.name == "onnxruntime" and be.max_batch == MAX_BATCH and be.max_seq_len == MAX_SEQ
+    assert be.has_conditioner and be.drafter_config.block_size == BLOCK
+    assert be.active_providers[-1] == "CPUExecutionProvider"
+    with pytest.raises(RetraceError, match="exceeds the bundle's limit"):
+        OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=MAX_BATCH + 1, verify=False)
+    with pytest.raises(RetraceError, match="max_seq_len=.* exceeds the bundle's limit"):
+        OnnxRuntimeBackend.from_bundle(built.bundle, max_seq_len=MAX_SEQ + 1, verify=False)
+    with pytest.raises(RetraceError, match="exceeds the configured max length"):
+        rt.generate([prompts[0]], SamplingParams(max_new_tokens=MAX_SEQ), "ar")
+    with pytest.raises(RetraceError, match="unknown kv_mode"):
+        OnnxRuntimeBackend.from_bundle(built.bundle, kv_mode="paged", verify=False)
+
+
+def test_returns_torch_tensors_without_copies(world):
+    built, prompts, _ = world
+    be = OnnxRuntimeBackend.from_bundle(built.bundle, threads=1, verify=False)
+    ids = torch.tensor([prompts[0]])
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    logits, taps = be.target(torch.tensor([1]), ids, pos, torch.tensor([[ids.shape[1] - 1]]))
+    assert isinstance(logits, torch.Tensor) and logits.dtype == torch.float32 and logits.shape == (1, 1, VOCAB)
+    assert taps.shape == (1, ids.shape[1], be.drafter_config.num_taps * be.target_config.hidden_size)
+    # the K/V landed in slot 1 at positions 0..T-1, nothing elsewhere
+    k0 = be.tcache.k[0]
+    assert k0[1, :, : ids.shape[1]].abs().sum() > 0 and k0[0].abs().sum() == 0 and k0[1, :, ids.shape[1]:].abs().sum() == 0
+
+
+# -- the CLI ----------------------------------------------------------------------------------------------
+def test_generate_cli_with_engine_matches_dirs(world):
+    from retrace.cli import main
+
+    built, prompts, greedy = world
+    common = ["--prompt", words(prompts[2]), "--max-new-tokens", "20", "--json", "--threads", "1",
+              "--max-batch", str(MAX_BATCH)]
+    out = {}
+    for name, src in (("engine", ["--engine", str(built.bundle)]),
+                      ("dirs", ["--target", str(built.target), "--drafter", str(built.drafter), "--max-seq-len",
+                                str(MAX_SEQ)])):
+        res = CliRunner().invoke(main, ["generate", *src, *common])
+        assert res.exit_code == 0, (res.output, res.exception)
+        out[name] = json.loads(res.stdout)
+    e, d = out["engine"], out["dirs"]
+    assert set(e) == set(d) and set(e["outputs"][0]) == set(d["outputs"][0]) and set(e["stats"]) == set(d["stats"])
+    assert e["outputs"][0]["token_ids"] == d["outputs"][0]["token_ids"] == greedy[2][:20]
+    assert e["outputs"][0]["text"] == words(greedy[2][:20])
+    assert e["stats"]["backend"] == "onnxruntime" and d["stats"]["backend"] == "torch"
+
+
+def test_generate_cli_engine_errors_are_one_line(world, tmp_path):
+    from retrace.cli import main
+
+    res = CliRunner().invoke(main, ["generate", "--engine", str(tmp_path), "--prompt-ids", "1,2", "--json"])
+    assert res.exit_code == 2 and res.output.startswith("error:") and "no manifest.json" in res.output
