@@ -131,3 +131,17 @@ def test_train_conditioner_end_to_end(pair, tmp_path):
 
     cond = ReTraceConditioner.from_dir(out, 64)
     assert cond.value.weight.abs().sum() > 0  # trained away from the zero init
+
+
+def test_device_backend_matches_torch_backend(pair):
+    """DeviceBackend (caches on an accelerator, CPU tensors in/out) run here on the CPU: same rounds."""
+    from retrace.train.rollout import DeviceBackend, TorchBackend, run_requests
+
+    target, drafter = pair.load()
+    ps = prompts(6)
+    outs = []
+    for cls in (TorchBackend, DeviceBackend):
+        be = cls(target, drafter, 3, 64) if cls is TorchBackend else cls(target, drafter, 3, 64, torch.device("cpu"))
+        rolls, sched = run_requests(be, ps, "retrace", 16, block_size=8, record=True)
+        outs.append(([r.output_ids for r in rolls], [len(r.rounds) for r in rolls], sched.stats["retrace"].rounds))
+    assert outs[0] == outs[1]

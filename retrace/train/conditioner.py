@@ -75,6 +75,7 @@ class ConditionerConfig:
     # bookkeeping
     eval_prompts: int = 32
     eval_new_tokens: int = 64
+    diagnose_seqs: int = 64  # per phase: diagnose() on this many fresh (not yet trained on) rollouts
     stop_after: int | None = None  # end this invocation after N more phases (checkpointed; --resume continues)
     seed: int = 0
     device: str = "auto"
@@ -173,25 +174,74 @@ def block_losses(drafter, ex: Examples, idx, picks, B, weights, device, bf16, wi
     return loss, st, base, (float(g) * gate_w, gate_w)
 
 
-def evaluate_examples(drafter, ex: Examples, cfg, B, weights, device, bf16) -> dict:
+def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: int = 8) -> dict:
+    """What the rejected suffix is worth on recorded rounds (no grad), all on the same blocks:
+
+    - loss / tau_est of the block with the conditioner (retrace) and without it (dflash), and of an
+      "oracle" that takes the remembered draft d_j wherever it is the right token (the headroom);
+    - over valid memory slots: how often d_j is right (mem_right), the fresh DFlash draft is right
+      (fresh_right), d_j is right where the fresh draft is wrong (headroom), and what the conditioner did:
+      fixed (fresh wrong -> retrace right) and broke (fresh right -> retrace wrong);
+    - P(d_j right | agree bit) for the two values of the agree feature, and the mean gate on valid slots.
+    tau_est counts only blocks whose labels are all known (see blocks.block_loss)."""
     was = drafter.training
     drafter.eval()
-    tot, base, gsum, gw = {}, {}, 0.0, 0.0
     use = ex.usable()
+    tot = {"r": {}, "d": {}}
+    acc = {k: 0.0 for k in ("valid", "mem_right", "fresh_right", "headroom", "fixed", "broke", "agree1", "agree1_right",
+                            "agree0_right", "oracle_len", "dflash_len", "retrace_len", "full", "gate", "gate_w")}
     with torch.no_grad():
-        for s in range(0, len(use), cfg.batch_size):
-            idx = use[s : s + cfg.batch_size]
+        for s in range(0, len(use), batch_size):
+            idx = use[s : s + batch_size]
             picks = pick_rounds(ex, idx, 10**6, None)
-            _, st, bs, (g, w) = block_losses(drafter, ex, idx, picks, B, weights, device, bf16, True)
-            bl.merge_stats(tot, st)
-            bl.merge_stats(base, bs)
-            gsum, gw = gsum + g, gw + w
+            taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device, drafter.config.mask_token_id)
+            with cm.autocast(device, bf16):
+                _, lr_ = bl.block_forward(drafter, taps, anchors, block_ids, suffix)
+                _, ld = bl.block_forward(drafter, taps, anchors, block_ids, None)
+            bl.merge_stats(tot["r"], bl.block_loss(lr_, labels, weights, bw)[1])
+            bl.merge_stats(tot["d"], bl.block_loss(ld, labels, weights, bw)[1])
+            v = (suffix.valid[:, :, 1:] * bw.unsqueeze(-1)) > 0  # slots 1..B-1
+            present = (labels != bl.IGNORE) & (bw.unsqueeze(-1) > 0)
+            mem_tok = drafter.target.logits(suffix.memory[:, :, 1:].to(drafter.fc.weight.dtype)).argmax(-1)
+            fresh, ret = ld.argmax(-1), lr_.argmax(-1)
+            mem_ok, fresh_ok, ret_ok = mem_tok == labels, fresh == labels, ret == labels
+            vp = v & present
+            acc["valid"] += float(vp.sum())
+            acc["mem_right"] += float((vp & mem_ok).sum())
+            acc["fresh_right"] += float((vp & fresh_ok).sum())
+            acc["headroom"] += float((vp & mem_ok & ~fresh_ok).sum())
+            acc["fixed"] += float((vp & ~fresh_ok & ret_ok).sum())
+            acc["broke"] += float((vp & fresh_ok & ~ret_ok).sum())
+            agree = suffix.features[:, :, 1:, 0] > 0.5
+            acc["agree1"] += float((vp & agree).sum())
+            acc["agree1_right"] += float((vp & agree & mem_ok).sum())
+            acc["agree0_right"] += float((vp & ~agree & mem_ok).sum())
+            full = present.all(-1) & (bw > 0)
+            oracle_ok = fresh_ok | (v & mem_ok)
+            for name, ok in (("oracle_len", oracle_ok), ("dflash_len", fresh_ok), ("retrace_len", ret_ok)):
+                acc[name] += float(ok.long().cumprod(-1).sum(-1)[full].sum())
+            acc["full"] += float(full.sum())
+            x = drafter.target.embed(block_ids).float()
+            corr = drafter.project(suffix.corr_taps.to(drafter.fc.weight.dtype)).float()
+            vv = suffix.valid * bw.unsqueeze(-1)
+            acc["gate"] += float(drafter.conditioner.mean_gate(x, suffix.memory.float(), corr, suffix.features, vv)) * float(vv.sum())
+            acc["gate_w"] += float(vv.sum())
     drafter.train(was)
-    out = {f"retrace_{k}": v for k, v in bl.summarize(tot).items()}
-    out.update({f"dflash_{k}": v for k, v in bl.summarize(base).items()})
-    out["mean_gate"] = round(gsum / gw, 5) if gw else None
-    out["rounds"] = sum(len(ex.rolls[i].rounds) for i in use)
-    return out
+    n, f = max(acc["valid"], 1.0), max(acc["full"], 1.0)
+    agree0 = acc["valid"] - acc["agree1"]
+    return {
+        "retrace": bl.summarize(tot["r"]), "dflash": bl.summarize(tot["d"]),
+        "tau_est": {"dflash": round(1 + acc["dflash_len"] / f, 4), "retrace": round(1 + acc["retrace_len"] / f, 4),
+                    "oracle": round(1 + acc["oracle_len"] / f, 4)},
+        "valid_slots": int(acc["valid"]),
+        "mem_right": round(acc["mem_right"] / n, 4), "fresh_right": round(acc["fresh_right"] / n, 4),
+        "headroom": round(acc["headroom"] / n, 4), "fixed": round(acc["fixed"] / n, 4),
+        "broke": round(acc["broke"] / n, 4),
+        "p_right_given_agree": round(acc["agree1_right"] / max(acc["agree1"], 1.0), 4),
+        "p_right_given_disagree": round(acc["agree0_right"] / max(agree0, 1.0), 4),
+        "agree_rate": round(acc["agree1"] / n, 4),
+        "mean_gate": round(acc["gate"] / max(acc["gate_w"], 1.0), 5),
+    }
 
 
 # -- the trainer -----------------------------------------------------------------------------------------------
@@ -295,6 +345,13 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
                             "rollout_rounds": 0, "skipped": True})
             save(phase)
             continue
+        diag = {}
+        if cfg.diagnose_seqs:
+            t0 = time.perf_counter()
+            sub = Examples([ex.rolls[i] for i in use[: cfg.diagnose_seqs]], [ex.taps[i] for i in use[: cfg.diagnose_seqs]])
+            diag = diagnose(drafter, sub, B, weights, device, bf16, cfg.batch_size)
+            eval_s += time.perf_counter() - t0
+            cm.log(progress, TAG, f"phase {phase + 1} fresh rollouts: {diag}")
         # 2. train on them
         t0 = time.perf_counter()
         drafter.train()
@@ -335,7 +392,7 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         last = {"retrace_tau": rt.get("tau_mean"), "retrace_tau_pooled": rt.get("tau_pooled")}
         rec = {"phase": phase, "step": step, "rollout_tau": round(sum(roll_tau) / max(1, len(roll_tau)), 4),
                "rollout_rounds": sum(len(ex.rolls[i].rounds) for i in use),
-               "train": bl.summarize(tot), "train_vs_dflash": _paired(btot), "mean_gate": round(gs / max(gw, 1e-8), 5), "val_runtime": rt}
+               "diagnose_before": diag, "train": bl.summarize(tot), "train_vs_dflash": _paired(btot), "mean_gate": round(gs / max(gw, 1e-8), 5), "val_runtime": rt}
         history.append(rec)
         cm.log(progress, TAG, f"phase {phase}/{cfg.phases}: rollout tau {rec['rollout_tau']}, train {rec['train']}, "
                               f"gate {rec['mean_gate']}, val tau retrace {rt.get('tau_mean')} vs dflash "
@@ -368,10 +425,10 @@ def _paired(btot: dict) -> dict:
 
 def _resume_key(cfg: ConditionerConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("phases", "stop_after", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch"):
+    for k in ("phases", "stop_after", "diagnose_seqs", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch"):
         d.pop(k, None)
     return d
 
 
 __all__ = ["ConditionerConfig", "train_conditioner", "collate", "block_losses", "Examples", "collect",
-           "evaluate_examples"]
+           "diagnose"]
