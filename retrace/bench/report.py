@@ -1,0 +1,134 @@
+"""Benchmark results as a terminal table (rich) and as a markdown table for the README."""
+
+from __future__ import annotations
+
+PEER_COLUMNS = (("hf-ar", "x hf-ar"), ("hf-dflash", "x hf-dflash"), ("ortgenai-ar", "x ortgenai-ar"))
+
+
+def _f(x, fmt: str = "{:.1f}", none: str = "n/a") -> str:
+    return none if x is None else fmt.format(x)
+
+
+def _ratio(results: dict, name: str, b: int, peer: str) -> float | None:
+    return next((r["ratio"] for r in results.get("ratios", [])
+                 if r["system"] == name and r["peer"] == peer and r["batch_size"] == b), None)
+
+
+def _split(ts: dict | None) -> str:
+    if not ts:
+        return ""
+    return (f"{100 * ts['draft_share']:.0f}/{100 * ts['verify_share']:.0f}/"
+            f"{100 * (ts['prefill_share']):.0f}/{100 * ts['other_share']:.0f}")
+
+
+def rows(results: dict) -> list[dict]:
+    """One display row per (system, batch size), in the order of results['systems']."""
+    out = []
+    for s in results["systems"]:
+        b = s["batch_size"]
+        row = {
+            "system": s["name"], "batch": b, "status": s["status"], "reason": s.get("reason"),
+            "tok_s": s["tokens_per_s"],
+            "range": (f"{s['spread']['min']:.1f}-{s['spread']['max']:.1f}" if s.get("spread") else ""),
+            "tau": s.get("tau"), "rounds": s.get("rounds"),
+            "split": _split(s.get("time_split")),
+            "outside": (s["time_split"]["outside_forward_share"] if s.get("time_split") else None),
+            "agree": (f"{results['config']['n_prompts'] - s['agreement']['prompts_mismatched']}/"
+                      f"{results['config']['n_prompts']}" if s.get("agreement") else ""),
+        }
+        for peer, col in PEER_COLUMNS:
+            row[col] = _ratio(results, s["name"], b, peer) if s["family"] == "retrace" else None
+        out.append(row)
+    return out
+
+
+def fidelity_line(results: dict) -> str:
+    f = results.get("fidelity")
+    if not f:
+        return "fidelity: n/a (needs retrace-torch-dflash and hf-dflash at batch 1)"
+    verdict = "within 1%" if f["within_1pct"] else "NOT within 1%"
+    return (f"fidelity (T=0, same weights): our dflash tau {f['tau_ours']:.4f} vs transformers' DFlash "
+            f"{f['tau_hf']:.4f} ({100 * f['rel_gap']:+.2f}%, {verdict}); counted as tokens kept per round "
+            f"{f['tau_ours_tokens_kept']:.4f} ({100 * f['rel_gap_tokens_kept']:+.2f}%); rounds {f['rounds_ours']} vs "
+            f"{f['rounds_hf']}; identical per-round acceptance on {f['prompts_identical_rounds']}/{f['prompts']} "
+            f"prompts. {f['explanation']}.")
+
+
+def goal_lines(results: dict) -> list[str]:
+    g = results.get("goals") or {}
+    out = []
+    for c in g.get("checks", []):
+        mark = "met" if c["met"] else f"MISSED (x{c['shortfall']:.2f} short)"
+        val = f"{100 * c['value']:.1f}%" if "outside" in c["what"] else f"{c['value']:.2f}x"
+        goal = f"<= {100 * c['goal']:.0f}%" if "outside" in c["what"] else f">= {c['goal']:.1f}x"
+        out.append(f"{c['what']}: {val} (goal {goal}) {mark}")
+    return out
+
+
+def machine_line(results: dict) -> str:
+    m = results["machine"]
+    v = m["versions"]
+    load = m.get("loadavg_start")
+    return (f"{m['cpu']}, {m['usable_cores']} cores, {m['threads']} threads; torch {v.get('torch')}, transformers "
+            f"{v.get('transformers')}, onnxruntime {v.get('onnxruntime')}, onnxruntime-genai "
+            f"{v.get('onnxruntime-genai')}" + (f"; load average {load[0]:.1f} at start" if load else ""))
+
+
+def print_results(results: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    c = results["config"]
+    t = Table(title=f"retrace bench: {c['n_prompts']} prompts x {c['max_new_tokens']} new tokens, greedy, "
+                    f"{c['runs']} runs, {c['threads']} threads")
+    for col, just in (("system", "left"), ("batch", "right"), ("tok/s", "right"), ("range", "right"),
+                      ("tau", "right"), ("rounds", "right"), ("draft/verify/prefill/other %", "right"),
+                      ("outside fwd", "right"), *((col, "right") for _, col in PEER_COLUMNS), ("agree", "right")):
+        t.add_column(col, justify=just)
+    for r in rows(results):
+        if r["status"] != "ok":
+            reason = r["reason"] or ""
+            t.add_row(r["system"], str(r["batch"]), r["status"], "", "", "",
+                      reason if len(reason) <= 70 else reason[:67] + "...", "", "", "", "", "", style="dim")
+            continue
+        t.add_row(r["system"], str(r["batch"]), _f(r["tok_s"]), r["range"], _f(r["tau"], "{:.2f}", ""),
+                  _f(r["rounds"], "{}", ""), r["split"], _f(r["outside"], "{:.1%}", ""),
+                  *(_f(r[col], "{:.2f}x", "") for _, col in PEER_COLUMNS), r["agree"])
+    console.print(t)
+    console.print(fidelity_line(results))
+    a = results.get("agreement") or {}
+    if a:
+        console.print(f"agreement with {a['reference']}: {a['total_mismatched_prompts']} mismatched prompt outputs "
+                      f"over {a['checked']} system/batch results; exact length everywhere: {a['all_exact_length']}")
+    for line in goal_lines(results):
+        console.print(line)
+    prof = results.get("profile")
+    if prof:
+        console.print(f"profile of one {prof['system']} run at batch 1 ({prof['wall_s']:.2f} s under cProfile, "
+                      f"written to {prof['path']}); top functions by own time:")
+        for r in prof["top_tottime"][:12]:
+            console.print(f"  {r['tottime_s']:8.3f} s own {r['cumtime_s']:8.3f} s cum {r['ncalls']:7d} calls  "
+                          f"{r['function']}", markup=False, highlight=False)
+    console.print(machine_line(results))
+
+
+def render_markdown(results: dict) -> str:
+    """The results as a markdown table (for the README), with the fidelity and machine lines under it."""
+    c = results["config"]
+    head = ["system", "batch", "tokens/s (median)", "range", "tau", "draft/verify/prefill/other %",
+            *(col for _, col in PEER_COLUMNS), "same output"]
+    lines = [f"Greedy, {c['n_prompts']} prompts x {c['max_new_tokens']} new tokens, median of {c['runs']} "
+             f"interleaved runs, {c['threads']} threads.", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    for r in rows(results):
+        if r["status"] != "ok":
+            cells = [f"`{r['system']}`", str(r["batch"]), "n/a", "", "", r["reason"] or "", "", "", "", ""]
+        else:
+            cells = [f"`{r['system']}`", str(r["batch"]), _f(r["tok_s"]), r["range"], _f(r["tau"], "{:.2f}", ""),
+                     r["split"], *(_f(r[col], "{:.2f}x", "") for _, col in PEER_COLUMNS), r["agree"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", fidelity_line(results), "", f"Machine: {machine_line(results)}.", ""]
+    if results.get("command"):
+        lines += [f"Regenerate: `{results['command']}`", ""]
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""The systems a benchmark compares, behind one small interface.
+
+Each system runs a list of prompts (token ids) at a batch size and returns exactly `n` new tokens per
+prompt, greedy, with EOS treated as an ordinary token (nothing stops early), so every system does the same
+work:
+- ours: `retrace-<backend>-<mode>` (the runtime's scheduler driven directly so that every round's accepted
+  length is recorded, and the backend's forwards timed to split model time from loop time);
+- `hf-ar`: transformers `generate` on the target alone (`eos_token_id=None`, left padding for batches);
+- `hf-dflash`: transformers' own DFlash assisted generation with the same drafter weights (batch 1 only;
+  rounds counted through `DFlashTokenCandidateGenerator.update_candidate_strategy`);
+- `ortgenai-ar`: onnxruntime-genai's autoregressive decoding of the same target (`eos_token_id: []` in its
+  config copy, right padding for batches, `max_length = longest prompt + n`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from retrace.runtime.stats import AcceptStats
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass
+class RunOut:
+    outputs: list[list[int]]  # new token ids per prompt, in prompt order
+    wall_s: float
+    # per prompt, per verify round: accepted drafts as the system itself counts them (None for AR peers)
+    accepted: list[list[int]] | None = None
+    time: dict | None = None  # ours: the loop's split and the time inside model forwards
+
+
+def chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i: i + size]
+
+
+class System:
+    name: str = ""
+    family: str = "peer"  # "peer" | "retrace"
+    backend: str | None = None
+    mode: str | None = None
+
+    def supports(self, batch_size: int) -> str | None:
+        """None if the batch size runs, else the reason it does not (reported as n/a)."""
+        return None
+
+    def run(self, prompts: list[list[int]], n: int, batch_size: int, progress: ProgressFn | None = None) -> RunOut:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------- ours
+@dataclass
+class _SeqStats(AcceptStats):
+    """AcceptStats that also keeps the accepted length of every round, in order."""
+
+    seq: list[int] = field(default_factory=list)
+
+    def record(self, accepted: int) -> None:
+        super().record(accepted)
+        self.seq.append(int(accepted))
+
+
+class _Timed:
+    """Wraps a backend method and sums the wall time spent inside it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+
+class ForwardTimers:
+    """Time inside `backend.target` and `backend.draft` (the model forwards, cache writes included)."""
+
+    def __init__(self, backend):
+        self.target = _Timed(backend.target)
+        self.draft = _Timed(backend.draft)
+        backend.target = self.target  # instance attributes shadow the bound methods
+        backend.draft = self.draft
+
+    def reset(self) -> None:
+        for t in (self.target, self.draft):
+            t.seconds, t.calls = 0.0, 0
+
+
+class RetraceSystem(System):
+    family = "retrace"
+
+    def __init__(self, runtime, backend_name: str, mode: str, timers: ForwardTimers):
+        self.rt = runtime
+        self.backend = backend_name
+        self.mode = mode
+        self.timers = timers
+        self.name = f"retrace-{backend_name}-{mode}"
+
+    def supports(self, batch_size: int) -> str | None:
+        mb = self.rt.backend.max_batch
+        return None if batch_size <= mb else f"the runtime was built for max_batch {mb}"
+
+    def run(self, prompts, n, batch_size, progress=None) -> RunOut:
+        from retrace.runtime import SamplingParams
+
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        sched = self.rt.scheduler()
+        self.rt.reset_stats()
+        self.timers.reset()
+        outputs: list[list[int]] = []
+        accepted: list[list[int]] = []
+        t0 = time.perf_counter()
+        for chunk in chunks(prompts, batch_size):
+            reqs = [sched.add(p, params, self.mode) for p in chunk]
+            for r in reqs:
+                r.stats = _SeqStats()
+            while not all(r.finished for r in reqs):
+                events = sched.step()
+                if progress is not None:
+                    progress(sum(len(e.token_ids) for e in events))
+            outputs.extend(list(r.output_ids) for r in reqs)
+            accepted.extend(list(r.stats.seq) for r in reqs)
+        wall = time.perf_counter() - t0
+        t = sched.timing
+        fwd = self.timers.target.seconds + self.timers.draft.seconds
+        split = {
+            "wall_s": wall,
+            "prefill_s": t.prefill,
+            "draft_s": t.draft,
+            "verify_s": t.verify,
+            "other_s": max(0.0, wall - t.prefill - t.draft - t.verify),
+            "target_forward_s": self.timers.target.seconds,
+            "draft_forward_s": self.timers.draft.seconds,
+            "forward_s": fwd,
+            "outside_forward_s": max(0.0, wall - fwd),
+            "target_calls": self.timers.target.calls,
+            "draft_calls": self.timers.draft.calls,
+        }
+        return RunOut(outputs, wall, accepted if self.mode != "ar" else None, split)
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(p) for p in batch)
+    ids = torch.full((len(batch), L), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(batch), L), dtype=torch.int64)
+    for i, p in enumerate(batch):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    return ids, mask
+
+
+class HFArSystem(System):
+    name = "hf-ar"
+
+    def __init__(self, model, pad_id: int):
+        self.model = model
+        self.pad_id = pad_id
+
+    @torch.inference_mode()
+    def run(self, prompts, n, batch_size, progress=None) -> RunOut:
+        outputs: list[list[int]] = []
+        t0 = time.perf_counter()
+        for chunk in chunks(prompts, batch_size):
+            ids, mask = _left_pad(chunk, self.pad_id)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                      eos_token_id=None, pad_token_id=self.pad_id)
+            outputs.extend(out[:, ids.shape[1]:].tolist())
+            if progress is not None:
+                progress(n * len(chunk))
+        return RunOut(outputs, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def count_dflash_rounds() -> Iterator[list[int]]:
+    """Record `num_matches` of every call of transformers' DFlash per-round hook (first call = prefill)."""
+    from transformers.generation import candidate_generator as cg
+
+    cls = cg.DFlashTokenCandidateGenerator
+    orig = cls.update_candidate_strategy
+    seen: list[int] = []
+
+    def hook(self, input_ids, scores, num_matches):
+        seen.append(int(num_matches))
+        return orig(self, input_ids, scores, num_matches)
+
+    cls.update_candidate_strategy = hook
+    try:
+        yield seen
+    finally:
+        cls.update_candidate_strategy = orig
+
+
+class HFDFlashSystem(System):
+    name = "hf-dflash"
+
+    def __init__(self, model, assistant):
+        self.model = model
+        self.assistant = assistant
+
+    def supports(self, batch_size: int) -> str | None:
+        return None if batch_size == 1 else "transformers' assisted (DFlash) generation supports batch 1 only"
+
+    @torch.inference_mode()
+    def run(self, prompts, n, batch_size, progress=None) -> RunOut:
+        outputs: list[list[int]] = []
+        accepted: list[list[int]] = []
+        t0 = time.perf_counter()
+        for p in prompts:
+            ids = torch.tensor([p], dtype=torch.int64)
+            with count_dflash_rounds() as seen:
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=self.assistant,
+                                          speculation_type="dflash", do_sample=False, max_new_tokens=n,
+                                          eos_token_id=None)
+            outputs.append(out[0, ids.shape[1]:].tolist())
+            accepted.append(seen[1:])  # the first call is the prefill (its 1 token is not a verify round)
+            if progress is not None:
+                progress(n)
+        return RunOut(outputs, time.perf_counter() - t0, accepted)
+
+
+# ----------------------------------------------------------------------------------------------- onnxruntime-genai
+class OrtGenaiSystem(System):
+    name = "ortgenai-ar"
+
+    def __init__(self, model_dir, pad_id: int | None):
+        import onnxruntime_genai as og
+
+        self.og = og
+        self.model = og.Model(str(model_dir))
+        self.pad_id = pad_id
+
+    def supports(self, batch_size: int) -> str | None:
+        if batch_size > 1 and self.pad_id is None:
+            return "the model has no pad_token_id, which onnxruntime-genai needs to batch prompts"
+        return None
+
+    def run(self, prompts, n, batch_size, progress=None) -> RunOut:
+        import numpy as np
+
+        og = self.og
+        outputs: list[list[int]] = []
+        t0 = time.perf_counter()
+        for chunk in chunks(prompts, batch_size):
+            L = max(len(p) for p in chunk)
+            # right padding: onnxruntime-genai 0.18 masks pad tokens and positions the rows correctly
+            arr = np.full((len(chunk), L), self.pad_id if self.pad_id is not None else 0, dtype=np.int32)
+            for i, p in enumerate(chunk):
+                arr[i, : len(p)] = p
+            params = og.GeneratorParams(self.model)
+            params.set_search_options(max_length=L + n, do_sample=False, batch_size=len(chunk))
+            gen = og.Generator(self.model, params)
+            gen.append_tokens(arr)
+            while not gen.is_done():
+                gen.generate_next_token()
+            for i in range(len(chunk)):
+                outputs.append([int(t) for t in gen.get_sequence(i)[L:]])
+            del gen
+            if progress is not None:
+                progress(n * len(chunk))
+        return RunOut(outputs, time.perf_counter() - t0)

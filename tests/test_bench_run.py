@@ -1,0 +1,188 @@
+"""`retrace bench` end to end on a tiny random pair: JSON contract, ratios, plots, markdown, fidelity.
+
+One benchmark run (module fixture) feeds most tests: 2 prompts of two domains, 1 run, 6 new tokens, batch
+sizes 1 and 2, one thread. The ONNX Runtime backend is not built here (`--no-build-engine`: the export
+takes longer than this whole file) and must show up as skipped with its reason; onnxruntime-genai's build
+of the tiny target takes seconds and is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from click.testing import CliRunner
+from helpers import patch_json, write_drafter, write_target
+
+from retrace.cli import main
+
+N = 6
+TEXTS = [
+    "def parse(argv):\n    return [a for a in argv if a]\n",
+    "The quick brown fox jumps over the lazy dog. " * 8,
+    "for i in range(10):\n    print(i, i * i)\n" * 4,
+]
+
+
+def write_bench_pair(root, zero_logits: bool = False):
+    """A random Qwen3 target with a byte-level BPE tokenizer (onnxruntime-genai needs tokenizer files) and a
+    DFlash drafter with a random ReTrace conditioner. EOS is token 0, pad is 1.
+
+    zero_logits: zero the final norms of target and drafter, so every logit is exactly 0 and every system's
+    argmax is token 0 (= EOS): drafts are always right (tau = block size) and EOS must not stop anything."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from retrace.train.tokenizer import save_tokenizer, train_bpe
+
+    tok = train_bpe(TEXTS, 300, min_frequency=1)
+    target = write_target(root / "target", vocab=tok.get_vocab_size(), hidden=32, layers=2, heads=2, kv_heads=1,
+                          intermediate=64, max_pos=256, eos_token_id=0, seed=5)
+    patch_json(target / "config.json", pad_token_id=1, bos_token_id=0)
+    save_tokenizer(tok, target)
+    drafter = write_drafter(root / "drafter", target, block_size=4, conditioner="random", seed=6)
+    if zero_logits:
+        for f, key in ((target / "model.safetensors", "model.norm.weight"), (drafter / "model.safetensors", "norm.weight")):
+            w = load_file(f)
+            w[key] = torch.zeros_like(w[key])
+            save_file(w, f, metadata={"format": "pt"})
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "def parse(argv):\n    return", "domain": "code"}) + "\n"
+        + json.dumps({"prompt": "The quick brown fox jumps", "domain": "docs"}) + "\n"
+        + json.dumps({"prompt": "for i in range(10):", "domain": "code"}) + "\n")
+    return target, drafter, prompts
+
+
+def bench(root, target, drafter, prompts, *extra):
+    out = root / "out"
+    args = ["bench", "--target", target, "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", N,
+            "--batch-sizes", "1,2", "--runs", 1, "--limit", 2, "--threads", 1, "--no-build-engine",
+            "--cache-dir", root / "cache", "--json", out / "bench.json", "--plot", out / "bench.png", *extra]
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return json.loads((out / "bench.json").read_text()), res, out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    import torch
+
+    threads = torch.get_num_threads()
+    root = tmp_path_factory.mktemp("bench")
+    target, drafter, prompts = write_bench_pair(root)
+    try:
+        results, res, out = bench(root, target, drafter, prompts, "--readme-table")
+    finally:
+        torch.set_num_threads(threads)
+    return {"results": results, "res": res, "out": out, "root": root}
+
+
+def entry(results, name, b):
+    return next(s for s in results["systems"] if s["name"] == name and s["batch_size"] == b)
+
+
+def test_json_has_every_system_and_field(run):
+    r = run["results"]
+    for key in ("systems", "ratios", "fidelity", "machine", "command", "agreement", "per_domain", "goals"):
+        assert key in r
+    assert r["command"].startswith("retrace bench --target")
+    m = r["machine"]
+    assert m["cpu"] and m["threads"] == 1 and m["versions"]["torch"] and m["logical_cores"] >= 1
+    names = {s["name"] for s in r["systems"]}
+    expected = {"hf-ar", "hf-dflash", "ortgenai-ar", *(f"retrace-{b}-{m}" for b in ("torch", "onnxruntime")
+                                                      for m in ("ar", "dflash", "retrace"))}
+    assert expected <= names
+    for s in r["systems"]:
+        for key in ("name", "batch_size", "tokens_per_s", "tokens_per_s_runs", "tau", "time_split", "status"):
+            assert key in s, (s["name"], key)
+    for b in (1, 2):
+        for name in ("hf-ar", "ortgenai-ar", "retrace-torch-ar", "retrace-torch-dflash", "retrace-torch-retrace"):
+            s = entry(r, name, b)
+            assert s["status"] == "ok", s
+            assert len(s["tokens_per_s_runs"]) == 1 and s["tokens_per_s"] > 0
+            assert s["tokens_per_run"] == 2 * N and s["exact_length"]
+        assert entry(r, "hf-ar", b)["tau"] is None and entry(r, "retrace-torch-ar", b)["tau"] is None
+        assert entry(r, "retrace-torch-dflash", b)["tau"] >= 1.0
+        ts = entry(r, "retrace-torch-retrace", b)["time_split"]
+        assert ts["draft_s"] > 0 and ts["verify_s"] > 0 and 0 <= ts["outside_forward_share"] <= 1
+        for name in ("retrace-onnxruntime-ar", "retrace-onnxruntime-retrace"):
+            s = entry(r, name, b)
+            assert s["status"] == "skipped" and s["reason"] and s["tokens_per_s"] is None
+    assert entry(r, "hf-dflash", 1)["status"] == "ok" and entry(r, "hf-dflash", 1)["tau"] >= 1.0
+    na = entry(r, "hf-dflash", 2)
+    assert na["status"] == "n/a" and "batch 1" in na["reason"] and na["tokens_per_s"] is None
+
+
+def test_greedy_outputs_agree_across_systems(run):
+    r = run["results"]
+    assert r["agreement"]["reference"] == "hf-ar@b1"
+    assert r["agreement"]["all_exact_length"]
+    assert r["agreement"]["total_mismatched_prompts"] == 0, r["agreement"]
+
+
+def test_ratios_are_tokens_per_s_over_the_peer_at_the_same_batch(run):
+    r = run["results"]
+    ok = {(s["name"], s["batch_size"]): s for s in r["systems"] if s["status"] == "ok"}
+    assert r["ratios"]
+    for x in r["ratios"]:
+        assert x["system"].startswith("retrace-") and x["peer"] in ("hf-ar", "hf-dflash", "ortgenai-ar")
+        peer = ok.get((x["peer"], x["batch_size"]))
+        if peer is None:
+            assert x["ratio"] is None
+        else:
+            want = ok[(x["system"], x["batch_size"])]["tokens_per_s"] / peer["tokens_per_s"]
+            assert x["ratio"] == pytest.approx(want)
+    assert any(x["peer"] == "hf-dflash" and x["batch_size"] == 2 and x["ratio"] is None for x in r["ratios"])
+
+
+def test_fidelity_line_compares_dflash_with_transformers(run):
+    f = run["results"]["fidelity"]
+    assert f["rounds_ours"] > 0 and f["rounds_hf"] > 0
+    assert f["tau_ours_tokens_kept"] == pytest.approx(f["tau_hf"], rel=1e-9) or f["diverged"]
+    assert f["explanation"]
+    assert "fidelity" in run["res"].output
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plots_are_valid_pngs(run):
+    out = run["out"]
+    for name in ("bench.png", "bench-throughput.png", "bench-accept.png", "bench-domains.png"):
+        w, h = _png_size(out / name)
+        assert w > 200 and h > 200
+    assert set(run["results"]["plots"]) == {"combined", "throughput", "accept", "domains"}
+
+
+def test_markdown_table_renders_and_regenerates_from_json(run):
+    from retrace.bench import render_markdown
+
+    r = run["results"]
+    md = render_markdown(r)
+    lines = md.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| system"))
+    assert set(lines[header + 1]) <= set("|-:")
+    rows = [line for line in lines[header + 2:] if line.startswith("| `")]
+    assert len(rows) == len(r["systems"])
+    assert all(line.count("|") == lines[header].count("|") for line in rows)
+    assert "| `retrace-torch-retrace` | 1 |" in md and "fidelity" in md
+    assert "| system |" in run["res"].output  # --readme-table printed it
+    # regenerate the table (and plots) from the saved JSON, without running anything
+    res = CliRunner().invoke(main, ["bench", "--from-json", str(run["out"] / "bench.json"), "--readme-table",
+                                    "--plot", str(run["root"] / "again.png")])
+    assert res.exit_code == 0, res.output
+    assert md in res.output
+    _png_size(run["root"] / "again.png")
+
+
+def test_user_errors_are_one_line(tmp_path):
+    res = CliRunner().invoke(main, ["bench", "--target", str(tmp_path), "--drafter", str(tmp_path)])
+    assert res.exit_code == 2 and "--prompts" in res.output
+    res = CliRunner().invoke(main, ["bench", "--from-json", str(tmp_path / "nope.json")])
+    assert res.exit_code == 2 and "cannot read" in res.output
