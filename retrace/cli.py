@@ -185,5 +185,42 @@ main.add_command(zoo)
 main.add_command(eval_cmd)
 
 
+@main.command()
+@click.option("--target", required=False, type=click.Path(file_okay=False), help="Qwen3 target HF directory")
+@click.option("--drafter", required=False, type=click.Path(file_okay=False), help="DFlash drafter directory")
+@click.option("--engine", type=click.Path(), default=None, help="ONNX Runtime engine bundle (else one is built "
+              "into the cache when the exporter is installed)")
+@click.option("--prompts", "prompts", multiple=True, type=click.Path(),
+              help="JSONL prompt file or directory of them (repeatable); lines {'prompt' | 'prompt_ids', 'domain'}")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--batch-sizes", default="1,8", show_default=True, help="comma-separated batch sizes")
+@click.option("--runs", type=int, default=3, show_default=True, help="timed runs per system (interleaved)")
+@click.option("--limit", type=int, default=16, show_default=True, help="prompts used (round-robin over files)")
+@click.option("--threads", type=int, default=None, help="CPU threads for every system (default: all cores)")
+@click.option("--systems", default=None, help="only these systems (comma-separated names or globs, e.g. 'hf-*')")
+@click.option("--cache-dir", type=click.Path(), default=None, help="build cache (default ~/.cache/retrace/bench)")
+@click.option("--no-build-engine", is_flag=True, help="without --engine, skip the ONNX Runtime backend")
+@click.option("--json", "json_out", type=click.Path(), default=None, help="write the results here")
+@click.option("--plot", "plot_out", type=click.Path(), default=None, help="write the plots here (PNG)")
+@click.option("--profile", "profile_out", type=click.Path(), default=None,
+              help="cProfile one batch-1 run of the headline retrace system into this file")
+@click.option("--readme-table", is_flag=True, help="print the results as a markdown table (for the README)")
+@click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
+@click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
+              help="render table/plots/markdown from an earlier --json file instead of running")
+@user_errors
+def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
+          no_build_engine, json_out, plot_out, profile_out, readme_table, markdown_out, from_json) -> None:
+    """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
+    transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
+    from retrace.bench.cli import bench_command, command_line
+
+    bench_command(target=target, drafter=drafter, engine=engine, prompts=prompts, max_new_tokens=max_new_tokens,
+                  batch_sizes=batch_sizes, runs=runs, limit=limit, threads=threads, systems=systems,
+                  cache_dir=cache_dir, build_engine=not no_build_engine, json_out=json_out, plot_out=plot_out,
+                  profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
+                  from_json=from_json, command=command_line(click.get_current_context()))
+
+
 if __name__ == "__main__":
     main()
