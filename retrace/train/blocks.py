@@ -74,7 +74,7 @@ def block_forward(drafter: DFlashDrafter, taps: torch.Tensor, anchor_pos: torch.
     nb, B = block_ids.shape[1:]
     dev = taps.device
     ctx = drafter.project(taps.to(drafter.fc.weight.dtype))
-    x = drafter.target.embed(block_ids)
+    x = drafter.target.embed(block_ids).to(drafter.fc.weight.dtype)  # fp32 residual stream under autocast
     if suffix is not None and drafter.conditioner is not None:
         correction = drafter.project(suffix.corr_taps.to(drafter.fc.weight.dtype))
         x = drafter.conditioner(x, suffix.memory.to(x.dtype), correction.to(x.dtype), suffix.features.to(x.dtype),

@@ -13,6 +13,7 @@ the Backend protocol says), for rollouts of a real Qwen3 on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -48,10 +49,18 @@ class DeviceBackend(TorchBackend):
                 self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads, max_seq_len,
                                       dc.head_dim, dtype)
 
+    def _autocast(self):
+        # a bf16 target with an fp32 drafter (how the trainers hold them on a GPU) needs autocast
+        mixed = self.drafter_model is not None and self.drafter_model.fc.weight.dtype != self.target_model.lm_head.weight.dtype
+        if self.device.type == "cuda" and mixed:
+            return torch.autocast("cuda", dtype=self.target_model.lm_head.weight.dtype)
+        return contextlib.nullcontext()
+
     @torch.inference_mode()
     def target(self, slots, input_ids, positions, logits_index):
         d = self.device
-        logits, taps = super().target(slots.to(d), input_ids.to(d), positions.to(d), logits_index.to(d))
+        with self._autocast():
+            logits, taps = super().target(slots.to(d), input_ids.to(d), positions.to(d), logits_index.to(d))
         return logits.float().cpu(), taps.float().cpu()
 
     @torch.inference_mode()
@@ -60,8 +69,9 @@ class DeviceBackend(TorchBackend):
         if suffix is not None:
             suffix = SuffixInputs(suffix.memory.to(d), suffix.features.to(d), suffix.valid.to(d),
                                   suffix.corr_index.to(d))
-        hidden, logits = super().draft(slots.to(d), ctx_taps.to(d), ctx_positions.to(d), block_ids.to(d),
-                                       block_positions.to(d), suffix)
+        with self._autocast():
+            hidden, logits = super().draft(slots.to(d), ctx_taps.to(d), ctx_positions.to(d), block_ids.to(d),
+                                           block_positions.to(d), suffix)
         return hidden.float().cpu(), logits.float().cpu()
 
 
