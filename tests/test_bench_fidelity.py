@@ -3,6 +3,7 @@ that EOS stops no system early, prompt loading, and the interleaving order."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -88,7 +89,8 @@ def test_full_acceptance_eos_ignored_and_tau_conventions(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert r["agreement"]["all_exact_length"] and r["agreement"]["total_mismatched_prompts"] == 0
-    assert entry(r, "ortgenai-ar", 1)["status"] == "ok"
+    if importlib.util.find_spec("onnxruntime_genai") is not None:
+        assert entry(r, "ortgenai-ar", 1)["status"] == "ok"
     d = entry(r, "retrace-torch-dflash", 1)
     assert d["accepted_hist"] == [0, 0, 0, 4]  # 2 prompts x 2 rounds, all drafts (3) accepted
     f = r["fidelity"]

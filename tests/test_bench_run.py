@@ -8,6 +8,7 @@ of the tiny target takes seconds and is kept.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 
@@ -97,8 +98,12 @@ def test_json_has_every_system_and_field(run):
     for s in r["systems"]:
         for key in ("name", "batch_size", "tokens_per_s", "tokens_per_s_runs", "tau", "time_split", "status"):
             assert key in s, (s["name"], key)
+    genai = importlib.util.find_spec("onnxruntime_genai") is not None  # the `bench` extra
+    if not genai:
+        assert entry(r, "ortgenai-ar", 1)["status"] == "skipped"
     for b in (1, 2):
-        for name in ("hf-ar", "ortgenai-ar", "retrace-torch-ar", "retrace-torch-dflash", "retrace-torch-retrace"):
+        for name in ("hf-ar", "ortgenai-ar" if genai else "hf-ar", "retrace-torch-ar", "retrace-torch-dflash",
+                     "retrace-torch-retrace"):
             s = entry(r, name, b)
             assert s["status"] == "ok", s
             assert len(s["tokens_per_s_runs"]) == 1 and s["tokens_per_s"] > 0
@@ -186,3 +191,33 @@ def test_user_errors_are_one_line(tmp_path):
     assert res.exit_code == 2 and "--prompts" in res.output
     res = CliRunner().invoke(main, ["bench", "--from-json", str(tmp_path / "nope.json")])
     assert res.exit_code == 2 and "cannot read" in res.output
+
+
+@pytest.mark.slow
+def test_onnxruntime_backend_from_engine_bundle(tmp_path):
+    """--engine: the ONNX Runtime backend's three modes run and agree with transformers token for token
+    (the session's shared test bundle; building it costs ~30 s when no export test ran before)."""
+    import torch
+    from export_fixtures import MAX_BATCH, pair_and_bundle
+
+    built = pair_and_bundle()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p, "domain": d}) + "\n"
+                               for p, d in (([5, 9, 13, 2], "a"), ([40, 41], "b"), ([7] * 6, "a"))))
+    threads = torch.get_num_threads()
+    try:
+        r, res, _ = bench(tmp_path, built.target, built.drafter, prompts, "--engine", built.bundle,
+                          "--systems", "hf-ar,retrace-onnxruntime-*", "--limit", 3,
+                          "--batch-sizes", f"1,{min(2, MAX_BATCH)}", "--profile", tmp_path / "prof.out")
+    finally:
+        torch.set_num_threads(threads)
+    for b in (1, 2):
+        for m in ("ar", "dflash", "retrace"):
+            s = entry(r, f"retrace-onnxruntime-{m}", b)
+            assert s["status"] == "ok" and s["tokens_per_run"] == 3 * N, s
+            assert s["time_split"]["forward_s"] > 0
+            assert any(x["system"] == s["name"] and x["peer"] == "hf-ar" and x["ratio"] for x in r["ratios"])
+    assert r["agreement"]["total_mismatched_prompts"] == 0, r["agreement"]
+    assert r["builds"]["onnxruntime_bundle"]["given"]
+    assert r["profile"]["system"] == "retrace-onnxruntime-retrace" and (tmp_path / "prof.out").is_file()
+    assert r["goals"]["system"] == "retrace-onnxruntime-retrace"
