@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COLORS = {"peer": "#8c8c8c", "ar": "#4c72b0", "dflash": "#dd8452", "retrace": "#55a868"}
+COLORS = {"peer": "#8c8c8c", "hf-dflash": "#4d4d4d", "ar": "#4c72b0", "dflash": "#dd8452", "retrace": "#55a868"}
 
 
 def _color(s: dict) -> str:
-    return COLORS["peer"] if s["family"] == "peer" else COLORS.get(s["mode"] or "", "#333333")
+    if s.get("family") == "peer":
+        return COLORS.get(s.get("name", ""), COLORS["peer"])
+    return COLORS.get(s.get("mode") or "", "#333333")
 
 
 def _throughput(ax, results: dict, b: int) -> None:
@@ -69,7 +71,7 @@ def _domains(ax, results: dict) -> None:
     for k, n in enumerate(names):
         vals = [pd[n].get(d, {}).get("tau_pooled") or 0.0 for d in domains]
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(domains))]
-        s = by.get(n, {"family": "peer", "mode": None, "backend": None})
+        s = by.get(n, {"name": n, "family": "peer", "mode": None, "backend": None})
         ax.bar(xs, vals, width=width, color=_color(s), hatch="//" if s.get("backend") == "onnxruntime" else None,
                label=n, alpha=0.85, edgecolor="white")
     ax.set_xticks(range(len(domains)), domains)
