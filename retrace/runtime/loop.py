@@ -203,20 +203,20 @@ class Scheduler:
         self.timing.verify += time.perf_counter() - t0
 
         # 3. accept
-        accepted, bonus = self._accept(logits, drafts, q, reqs)
+        accepted, bonus, target_argmax = self._accept(logits, drafts, q, reqs)
 
         # 4. remember the rejected suffix
         if mode == "retrace":
-            self._remember(slots, hidden, block, logits, draft_logits[:, : B - 1], accepted, anchor_pos)
+            self.memory.write(slots, hidden, block, logits, draft_logits[:, : B - 1], accepted, anchor_pos,
+                              target_argmax)
 
-        # 5. commit
-        for i, r in enumerate(reqs):
-            a = int(accepted[i])
+        # 5. commit (one conversion to Python lists, not one per element)
+        for i, (r, a, b, d) in enumerate(zip(reqs, accepted.tolist(), bonus.tolist(), drafts.tolist(), strict=True)):
             r.stats.record(a)
             self.stats[mode].record(a)
             r.ctx_taps, r.ctx_pos0 = taps[i], r.anchor_pos
-            r.anchor, r.anchor_pos = int(bonus[i]), r.anchor_pos + a + 1
-            self._commit(r, drafts[i, :a].tolist() + [int(bonus[i])], events)
+            r.anchor, r.anchor_pos = b, r.anchor_pos + a + 1
+            self._commit(r, d[:a] + [b], events)
 
     # -- pieces of a round -----------------------------------------------------------------------------
     def _context(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,29 +234,24 @@ class Scheduler:
         return taps, positions
 
     def _propose(self, draft_logits: torch.Tensor, reqs: list[Request]):
-        """Greedy rows take the drafter's argmax; sampling rows sample from its processed distribution q."""
+        """Greedy rows take the drafter's argmax; sampling rows sample from its processed distribution q
+        (q[i] is None for greedy rows)."""
         drafts = draft_logits.argmax(-1)
-        q = None
-        if any(not r.params.greedy for r in reqs):
-            q = torch.zeros_like(draft_logits)
-            for i, r in enumerate(reqs):
-                if not r.params.greedy:
-                    q[i] = processed_probs(draft_logits[i], r.params)
-                    drafts[i] = sample_drafts(q[i], r.generator)
+        q = _sampling_probs(draft_logits, reqs)
+        for i, r in enumerate(reqs):
+            if q[i] is not None:
+                drafts[i] = sample_drafts(q[i], r.generator)
         return drafts, q
 
     def _accept(self, logits, drafts, q, reqs):
-        accepted, bonus, _ = greedy_accept(logits, drafts)
+        """-> (accepted [N], bonus [N], the target's argmax [N, B]); sampling rows overwrite the first two."""
+        accepted, bonus, target_argmax = greedy_accept(logits, drafts)
+        p = _sampling_probs(logits, reqs)
         for i, r in enumerate(reqs):
-            if not r.params.greedy:
-                p = processed_probs(logits[i], r.params)
-                a, b = speculative_accept(p, q[i] if q is not None else p[:0], drafts[i], r.generator)
+            if p[i] is not None:
+                a, b = speculative_accept(p[i], q[i] if q is not None else p[i][:0], drafts[i], r.generator)
                 accepted[i], bonus[i] = a, b
-        return accepted, bonus
-
-    def _remember(self, slots, hidden, block, logits, draft_logits, accepted, anchor_pos) -> None:
-        """Write each row's rejected suffix into its persistent buffer, aligned to the next block."""
-        self.memory.write(slots, hidden, block, logits, draft_logits, accepted, anchor_pos)
+        return accepted, bonus, target_argmax
 
     def _sample_one(self, logits: torch.Tensor, r: Request) -> int:
         if r.params.greedy:
@@ -323,6 +318,21 @@ class Scheduler:
             self.free_slots.append(r.slot)
             self.free_slots.sort()
         r.slot = -1
+
+
+def _sampling_probs(logits: torch.Tensor, reqs: list[Request]) -> list[torch.Tensor | None]:
+    """processed_probs(logits[i], params of row i) for the sampling rows, None for greedy rows; one call
+    per distinct (temperature, top_k, top_p) rather than one per row."""
+    out: list[torch.Tensor | None] = [None] * len(reqs)
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(reqs):
+        if not r.params.greedy:
+            groups.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
+    for rows in groups.values():
+        probs = processed_probs(logits[rows], reqs[rows[0]].params)
+        for j, i in enumerate(rows):
+            out[i] = probs[j]
+    return out
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int:

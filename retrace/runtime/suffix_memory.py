@@ -29,14 +29,17 @@ def align(accepted: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
 
 
 def suffix_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor,
-                    draft_logits: torch.Tensor) -> torch.Tensor:
+                    draft_logits: torch.Tensor, target_argmax: torch.Tensor | None = None) -> torch.Tensor:
     """Reliability of each draft d_j as [N, B, 3] at old slot j (slot 0 zero): whether the target's argmax
     at j-1 is d_j, the target's probability of d_j at j-1, the drafter's own probability of d_j at j.
-    Temperature-1 softmaxes, whatever the sampling parameters, so training and serving see the same."""
+    Temperature-1 softmaxes, whatever the sampling parameters, so training and serving see the same.
+    target_argmax [N, B]: verify_logits.argmax(-1) when the caller has it already (greedy acceptance)."""
     N, B = block_tokens.shape
     d = block_tokens[:, 1:].unsqueeze(-1)
+    if target_argmax is None:
+        target_argmax = verify_logits.argmax(-1)
     feats = verify_logits.new_zeros(N, B, len(FEATURES))
-    feats[:, 1:, 0] = (verify_logits[:, :-1].argmax(-1) == block_tokens[:, 1:]).float()
+    feats[:, 1:, 0] = (target_argmax[:, :-1] == block_tokens[:, 1:]).float()
     feats[:, 1:, 1] = verify_logits[:, :-1].float().softmax(-1).gather(2, d).squeeze(-1)
     feats[:, 1:, 2] = draft_logits.float().softmax(-1).gather(2, d).squeeze(-1)
     return feats
@@ -52,6 +55,8 @@ class SuffixMemory:
         self.corr_index = torch.zeros(slots, B, dtype=torch.int64)
         self.count = torch.zeros(slots, dtype=torch.int64)  # valid slots 1..count
         self.position = torch.full((slots,), -1, dtype=torch.int64)  # absolute position of new slot 0
+        # align() for every accepted length, looked up per row in write()
+        self._old_slot, self._valid, self._corr_index = align(torch.arange(B), B)
 
     def clear(self, slot: int) -> None:
         # corr_index too: the drafter gathers with it even where valid == 0, and a stale index from the
@@ -65,11 +70,12 @@ class SuffixMemory:
 
     def write(self, slots: torch.Tensor, hidden: torch.Tensor, block_tokens: torch.Tensor,
               verify_logits: torch.Tensor, draft_logits: torch.Tensor, accepted: torch.Tensor,
-              anchor_pos: torch.Tensor) -> None:
+              anchor_pos: torch.Tensor, target_argmax: torch.Tensor | None = None) -> None:
         """After a verify. hidden [N,B,d] drafter states; block_tokens [N,B] = [anchor, d_1..d_{B-1}];
-        verify_logits [N,B,V]; draft_logits [N,B-1,V] (slots 1..B-1); accepted [N]; anchor_pos [N] = p."""
-        old, valid, corr = align(accepted, self.block_size)
-        feats = suffix_features(block_tokens, verify_logits, draft_logits)
+        verify_logits [N,B,V]; draft_logits [N,B-1,V] (slots 1..B-1); accepted [N]; anchor_pos [N] = p;
+        target_argmax [N,B] optional (verify_logits.argmax(-1), if the caller has it)."""
+        old, valid, corr = self._old_slot[accepted], self._valid[accepted], self._corr_index[accepted]
+        feats = suffix_features(block_tokens, verify_logits, draft_logits, target_argmax)
         v = valid.to(self.memory.dtype).unsqueeze(-1)
         self.memory[slots] = torch.gather(hidden, 1, old.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).to(v.dtype) * v
         self.features[slots] = torch.gather(feats, 1, old.unsqueeze(-1).expand(-1, -1, feats.shape[-1])) * v.float()
