@@ -72,6 +72,29 @@ def test_tampered_file_is_detected(tmp_path, change):
             Bundle.open(b, verify_hashes=False)
 
 
+def test_large_files_verify_piece_by_piece(tmp_path, monkeypatch):
+    """Files over bundle.PIECE bytes also record per-piece sha256 (verified in parallel on load); every
+    byte is still covered, and the whole-file sha256 stays in the manifest."""
+    import hashlib
+
+    from retrace.engines import bundle as bundle_mod
+
+    monkeypatch.setattr(bundle_mod, "PIECE", 4096)
+    b = fake_bundle(tmp_path / "b")  # model.onnx.data: 16384 bytes -> 4 pieces
+    entry = read_manifest(b)["files"]["target/model.onnx.data"]
+    data = (b / "target" / "model.onnx.data").read_bytes()
+    assert entry["chunk_size"] == 4096 and len(entry["chunks"]) == 4
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert entry["chunks"][2] == hashlib.sha256(data[8192:12288]).hexdigest()
+    assert "chunks" not in read_manifest(b)["files"]["target/model.onnx"]  # 500 bytes: whole file only
+    Bundle.open(b)
+    raw = bytearray(data)
+    raw[-1] ^= 1  # the last byte of the last piece
+    (b / "target" / "model.onnx.data").write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match=r"model.onnx.data sha256 \(piece 3"):
+        Bundle.open(b)
+
+
 def test_unknown_format_version_and_non_bundles_are_refused(tmp_path):
     b = fake_bundle(tmp_path / "b")
     m = json.loads((b / "manifest.json").read_text())

@@ -26,7 +26,10 @@ MANIFEST = "manifest.json"
 FORMAT = "retrace-engine-bundle"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-_CHUNK = 8 << 20
+_CHUNK = 8 << 20  # read size
+# Files larger than this also record the sha256 of each PIECE-sized piece, so that loading can verify one
+# large weights file on all cores at once (the whole-file sha256 stays, for humans and sha256sum).
+PIECE = 64 << 20
 
 
 class BundleError(RetraceError):
@@ -43,17 +46,49 @@ def retrace_version() -> str:
 
 
 def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
+    return _digest_file(path)[0]
+
+
+def _digest_file(path: str | Path, chunk_size: int | None = None) -> tuple[str, list[str]]:
+    """sha256 of the whole file and, when chunk_size is given, of each chunk_size piece (one read)."""
+    whole = hashlib.sha256()
+    chunks: list[str] = []
+    piece = hashlib.sha256() if chunk_size else None
+    in_piece = 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
-            h.update(view[:n])  # hashlib releases the GIL on large updates: files hash in parallel
+            data = view[:n]
+            whole.update(data)  # hashlib releases the GIL on large updates: files hash in parallel
+            while piece is not None and len(data):
+                take = min(len(data), chunk_size - in_piece)
+                piece.update(data[:take])
+                in_piece += take
+                data = data[take:]
+                if in_piece == chunk_size:
+                    chunks.append(piece.hexdigest())
+                    piece, in_piece = hashlib.sha256(), 0
+    if piece is not None and in_piece:
+        chunks.append(piece.hexdigest())
+    return whole.hexdigest(), chunks
+
+
+def _digest_range(path: Path, start: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        buf = bytearray(min(_CHUNK, max(length, 1)))
+        view = memoryview(buf)
+        left = length
+        while left and (n := f.readinto(view[: min(len(buf), left)])):
+            h.update(view[:n])
+            left -= n
     return h.hexdigest()
 
 
-def _workers(n_files: int) -> int:
-    return max(1, min(n_files, os.cpu_count() or 1, 8))
+def _workers(n_items: int) -> int:
+    return max(1, min(n_items, os.cpu_count() or 1, 8))
 
 
 def bundle_files(root: str | Path) -> list[str]:
@@ -70,11 +105,21 @@ def bundle_files(root: str | Path) -> list[str]:
 
 
 def hash_files(root: str | Path, rel_paths: list[str]) -> dict[str, dict]:
-    """{rel: {"sha256": ..., "size": ...}}, hashed in parallel threads."""
+    """{rel: {"sha256", "size"}} (+ "chunk_size", "chunks" for files over PIECE bytes), in parallel."""
     root = Path(root)
+
+    def one(rel: str) -> dict:
+        size = (root / rel).stat().st_size
+        big = size > PIECE
+        whole, chunks = _digest_file(root / rel, PIECE if big else None)
+        entry = {"sha256": whole, "size": size}
+        if big:
+            entry.update(chunk_size=PIECE, chunks=chunks)
+        return entry
+
     with ThreadPoolExecutor(_workers(len(rel_paths))) as ex:
-        digests = list(ex.map(lambda r: sha256_file(root / r), rel_paths))
-    return {r: {"sha256": d, "size": (root / r).stat().st_size} for r, d in zip(rel_paths, digests, strict=True)}
+        entries = list(ex.map(one, rel_paths))
+    return dict(zip(rel_paths, entries, strict=True))
 
 
 def write_manifest(root: str | Path, manifest: dict) -> dict:
@@ -119,6 +164,7 @@ class FileCheck:
     status: str  # "ok" | "missing" | "size" | "sha256" | "unlisted" | "unchecked"
     expected: str | None = None
     actual: str | None = None
+    detail: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -145,14 +191,41 @@ def check_files(root: str | Path, manifest: dict, full: bool = True) -> list[Fil
         else:
             out[rel] = FileCheck(rel, "unchecked")
     if to_hash:
-        got = hash_files(root, to_hash)
-        for rel in to_hash:
-            exp, act = listed[rel].get("sha256"), got[rel]["sha256"]
-            out[rel] = FileCheck(rel, "ok" if exp == act else "sha256", exp, act)
+        out.update(_verify_digests(root, {r: listed[r] for r in to_hash}))
     for rel in bundle_files(root):
         if rel not in listed:
             out[rel] = FileCheck(rel, "unlisted")
     return [out[k] for k in sorted(out)]
+
+
+def _verify_digests(root: Path, entries: dict[str, dict]) -> dict[str, FileCheck]:
+    """rel -> FileCheck ("ok" or "sha256"). Files with piece digests are checked piece by piece, all pieces of
+    all files in parallel (every byte is still covered); the others by their whole-file sha256."""
+    jobs = []  # (rel, index or None, start, length, expected)
+    for rel, meta in entries.items():
+        chunks, size = meta.get("chunks"), int(meta.get("size", 0))
+        cs = int(meta.get("chunk_size") or 0)
+        if chunks and cs > 0 and len(chunks) == (size + cs - 1) // cs:
+            jobs += [(rel, i, i * cs, min(cs, size - i * cs), d) for i, d in enumerate(chunks)]
+        else:
+            jobs.append((rel, None, 0, size, meta.get("sha256")))
+
+    def run(job):
+        rel, i, start, length, _ = job
+        return sha256_file(root / rel) if i is None else _digest_range(root / rel, start, length)
+
+    with ThreadPoolExecutor(_workers(len(jobs))) as ex:
+        got = list(ex.map(run, jobs))
+    out: dict[str, FileCheck] = {}
+    for (rel, i, _s, _l, exp), act in zip(jobs, got, strict=True):
+        if rel in out and not out[rel].ok:
+            continue  # report the first bad piece
+        if exp == act:
+            out[rel] = FileCheck(rel, "ok", entries[rel].get("sha256"), entries[rel].get("sha256"))
+        else:
+            out[rel] = FileCheck(rel, "sha256", exp, act, None if i is None else f"piece {i} of "
+                                 f"{entries[rel]['chunk_size'] >> 20} MiB")
+    return out
 
 
 def verify(root: str | Path, manifest: dict | None = None, full: bool = True) -> dict:
@@ -172,7 +245,8 @@ def _describe(c: FileCheck) -> str:
     if c.status == "size":
         return f"{c.path} has {c.actual} bytes, manifest says {c.expected}"
     if c.status == "sha256":
-        return f"{c.path} sha256 {c.actual[:12]}... != manifest {c.expected[:12]}..."
+        where = f" ({c.detail})" if c.detail else ""
+        return f"{c.path} sha256{where} {(c.actual or '')[:12]}... != manifest {(c.expected or '')[:12]}..."
     return f"{c.path}: {c.status}"
 
 

@@ -164,7 +164,10 @@ class OnnxRuntimeBackend:
         so.inter_op_num_threads = 1
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
-        for k, v in (session_options or {}).items():
+        # No busy-waiting between calls: the loop's own torch work runs between ORT calls on the same
+        # cores, and spinning ORT workers stole it (measured: retrace "other" time 2.7x, see README).
+        entries = {"session.intra_op.allow_spinning": "0", **(session_options or {})}
+        for k, v in entries.items():
             so.add_session_config_entry(k, str(v))
         if threads:
             torch.set_num_threads(int(threads))
