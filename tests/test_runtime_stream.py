@@ -114,3 +114,31 @@ def test_closed_stream_frees_its_slot(world):
     assert not sched.running and sched.free_slots == [0]
     (res,) = rt.generate([prompts[3]], SamplingParams(max_new_tokens=MAX_NEW), "retrace")
     assert res.token_ids == alone[3]
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["random-drafter", "oracle-drafter"])
+def test_interleaved_streams_each_see_all_their_tokens(world, oracle):
+    """Two streams consumed in turn (as an async server would) plus a generate call in between: each step
+    commits tokens for every request, and every stream still yields all of its own, in order."""
+    _, _, prompts, alone, _ = world
+    rt = make(world, oracle)
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    streams = {0: rt.stream(prompts[0], params, "retrace"), 2: rt.stream(prompts[2], params, "dflash")}
+    got = {k: [] for k in streams}
+    texts = {k: "" for k in streams}
+    turn = 0
+    while streams:
+        for k in list(streams):
+            try:
+                ev = next(streams[k])
+            except StopIteration:
+                del streams[k]
+                continue
+            got[k] += ev.token_ids
+            texts[k] += ev.text
+        turn += 1
+        if turn == 2:  # a blocking generate while both streams are open
+            assert rt.generate([prompts[3]], params, "retrace")[0].token_ids == alone[3]
+    assert got == {0: alone[0], 2: alone[2]}
+    codec = rt.codec
+    assert texts == {0: codec.decode(alone[0]), 2: codec.decode(alone[2])}

@@ -45,6 +45,9 @@ class Runtime:
         self.codec = codec
         self.block_size = block_size
         self._sched: Scheduler | None = None
+        # events of requests being streamed, not yet yielded: a step run on behalf of one stream (or of
+        # generate) commits tokens for every request, and the other streams must still see theirs
+        self._pending: dict[int, list[Event]] = {}
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -87,10 +90,11 @@ class Runtime:
         params = params or SamplingParams()
         sched = self.scheduler()
         reqs = [sched.add(self.encode(p), params, mode) for p in prompts]
+        mine = {r.rid for r in reqs}
         while not all(r.finished for r in reqs):
-            events = sched.step()
+            events = self._step()
             if progress is not None:
-                progress(sum(len(e.token_ids) for e in events))
+                progress(sum(len(e.token_ids) for e in events if e.request.rid in mine))
         return [self._result(r) for r in reqs]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -98,14 +102,29 @@ class Runtime:
         """Yield the tokens and text of one request as they are committed."""
         sched = self.scheduler()
         req = sched.add(self.encode(prompt), params or SamplingParams(), mode)
+        pending = self._pending[req.rid] = []
         try:
-            while not req.finished:
-                for ev in sched.step():
-                    if ev.request is req:
-                        yield ev
+            while True:
+                if pending:
+                    ev = pending.pop(0)
+                    yield ev
+                    if ev.finished:
+                        return
+                elif req.finished:  # cancelled from outside
+                    return
+                else:
+                    self._step()
         finally:
+            del self._pending[req.rid]
             if not req.finished:
                 sched.cancel(req)
+
+    def _step(self) -> list[Event]:
+        events = self.scheduler().step()
+        for ev in events:
+            if ev.request.rid in self._pending:
+                self._pending[ev.request.rid].append(ev)
+        return events
 
     def _result(self, r: Request) -> Result:
         d = r.result()
