@@ -211,3 +211,32 @@ def test_force_never_deletes_something_that_is_not_a_bundle(built, tmp_path, fas
     empty.mkdir()
     assert cli_build(built, empty, "-q").exit_code == 2  # exists: still needs --force
     assert cli_build(built, empty, "--force", "-q").exit_code == 0 and Bundle.open(empty)
+
+
+# -- float16, target only ---------------------------------------------------------------------------------
+def test_float16_target_only_bundle(built, tmp_path):
+    """No --drafter: a target-only (ar) bundle; --dtype float16: fp16 graph I/O and weights, parity
+    within the fp16 tolerance, and the runtime decodes with it (speculative modes are refused)."""
+    from retrace.errors import RetraceError
+    from retrace.runtime import Runtime, SamplingParams
+
+    out = tmp_path / "b16"
+    res = CliRunner().invoke(main, ["build", "--target", str(built.target), "--out", str(out), "--dtype", "float16",
+                                    "--max-seq-len", "64"])
+    assert res.exit_code == 0, res.output
+    assert "modes: ar)" in res.output
+    m = read_manifest(out)
+    assert m["dtype"] == "float16" and m["models"]["drafter"] is None and set(m["graphs"]) == {"target"}
+    assert m["limits"]["block_size"] is None
+    assert 0 < m["parity"]["target"]["max_scaled_logits_diff"] < 3e-2
+    g = onnx.load(str(out / "target" / "model.onnx"), load_external_data=False)
+    types = {i.name: i.type.tensor_type.elem_type for i in g.graph.input}
+    outs = {o.name: o.type.tensor_type.elem_type for o in g.graph.output}
+    assert types["past_key_0"] == onnx.TensorProto.FLOAT16 and outs["logits"] == onnx.TensorProto.FLOAT
+    rt = Runtime.from_bundle(out, threads=1)
+    r = rt.generate([[3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=16), "ar")[0]
+    assert len(r.token_ids) == 16 and all(0 <= t < 96 for t in r.token_ids)
+    with pytest.raises(RetraceError, match="needs a drafter"):
+        rt.generate([[1, 2]], SamplingParams(max_new_tokens=4), "dflash")
+    res = CliRunner().invoke(main, ["inspect", str(out)])
+    assert res.exit_code == 0 and "drafter: none" in res.output and "past_len" in res.output

@@ -195,7 +195,7 @@ def inspect(bundle: Path, as_json: bool, quick: bool) -> None:
 
 def _short(names: list[str]) -> list[str]:
     """past_key_0 .. past_value_{L-1} -> one entry."""
-    kv = [n for n in names if n.startswith(("past_", "new_"))]
+    kv = [n for n in names if n.startswith(("past_key_", "past_value_", "new_key_", "new_value_"))]
     rest = [n for n in names if n not in kv]
     if kv:
         prefix = kv[0].split("_")[0]
