@@ -149,3 +149,32 @@ def test_generate_cli_engine_errors_are_one_line(world, tmp_path):
 
     res = CliRunner().invoke(main, ["generate", "--engine", str(tmp_path), "--prompt-ids", "1,2", "--json"])
     assert res.exit_code == 2 and res.output.startswith("error:") and "no manifest.json" in res.output
+
+
+def test_cache_matches_torch_kvcache_semantics():
+    """The ORT backend's cache writes/reads exactly like the torch backend's KVCache, for consecutive
+    positions (slice path), clamped pad positions (index path), contiguous and scattered slots."""
+    from retrace.runtime.onnxruntime_backend import _Cache
+    from retrace.runtime.torch_backend import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    ours, ref = _Cache(2, 5, 2, 12, 4, torch.float32), KVCache(2, 5, 2, 12, 4, torch.float32)
+    steps = [
+        (torch.tensor([0, 1, 2]), torch.arange(4).expand(3, 4)),                 # prefill, contiguous slots
+        (torch.tensor([4, 1]), torch.tensor([[4, 5, 6], [8, 9, 10]])),           # scattered slots
+        (torch.tensor([2, 0]), torch.tensor([[9, 10, 11], [10, 11, 11]])),       # clamped at max_seq_len - 1
+    ]
+    for slots, pos in steps:
+        new = [torch.randn(len(slots), 2, pos.shape[1], 4, generator=g) for _ in range(4)]
+        ours.write(slots, pos, new)
+        ref.write(slots, pos, new[0::2], new[1::2])
+    for a, b in zip(ours.k + ours.v, ref.k + ref.v, strict=True):
+        assert torch.equal(a, b)
+    for slots in (torch.tensor([1, 2]), torch.tensor([4, 0, 2])):
+        for mode in ("gather", "full"):
+            got = ours.past(slots, 7, mode)
+            pk, pv = ref.past(slots, 7)
+            want = [t for kv in zip(pk, pv, strict=True) for t in kv]
+            for x, y in zip(got, want, strict=True):
+                assert x.is_contiguous()
+                assert torch.equal(x[:, :, :7], y)
