@@ -14,6 +14,9 @@ The pair: --target/--drafter, else the zoo at ./zoo-small-target-check if it exi
 ~6M-parameter pair (hidden 256, 6 target layers, 2 drafter layers, vocab 2048, block 16) written to a
 temporary directory. A random drafter is almost never accepted (tau ~1), so dflash/retrace are slower than
 ar on it; the overhead share is what that pair measures.
+Columns: wall-clock and CPU-time figures. On a shared machine (other jobs on the cores) wall time mostly
+measures the neighbours; use --threads 1 there (two intra-op threads fighting for busy cores made every
+op 10-50x slower here) and read the CPU-time columns.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from retrace.errors import RetraceError
 from retrace.runtime.backend import Backend
 from retrace.runtime.sampling import (
     SamplingParams,
+    argmax,
     greedy_accept,
     processed_probs,
     sample_drafts,
@@ -236,7 +237,7 @@ class Scheduler:
     def _propose(self, draft_logits: torch.Tensor, reqs: list[Request]):
         """Greedy rows take the drafter's argmax; sampling rows sample from its processed distribution q
         (q[i] is None for greedy rows)."""
-        drafts = draft_logits.argmax(-1)
+        drafts = argmax(draft_logits)
         q = _sampling_probs(draft_logits, reqs)
         for i, r in enumerate(reqs):
             if q[i] is not None:
@@ -255,7 +256,7 @@ class Scheduler:
 
     def _sample_one(self, logits: torch.Tensor, r: Request) -> int:
         if r.params.greedy:
-            return int(logits.argmax())
+            return int(argmax(logits))
         return int(torch.multinomial(processed_probs(logits, r.params), 1, generator=r.generator))
 
     # -- commit and stop ---------------------------------------------------------------------------------
