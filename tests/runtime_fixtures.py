@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import shutil
 from pathlib import Path
@@ -150,9 +149,5 @@ def write_pair(root: Path, *, vocab=128, hidden=64, layers=4, heads=4, kv_heads=
     return target, drafter
 
 
-def config_of(path: Path) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
-
-
 __all__ = ["OracleDrafter", "copy_with_eos", "hf_greedy", "load_hf_target", "single_thread", "words",
-           "write_pair", "write_word_tokenizer", "config_of", "WORD"]
+           "write_pair", "write_word_tokenizer", "WORD"]
