@@ -240,3 +240,35 @@ def test_float16_target_only_bundle(built, tmp_path):
         rt.generate([[1, 2]], SamplingParams(max_new_tokens=4), "dflash")
     res = CliRunner().invoke(main, ["inspect", str(out)])
     assert res.exit_code == 0 and "drafter: none" in res.output and "past_len" in res.output
+
+
+# -- DFlash only ------------------------------------------------------------------------------------------
+def test_no_conditioner_gives_a_plain_dflash_bundle(built, tmp_path, monkeypatch):
+    """--no-conditioner (or a drafter without one): the drafter graph has no suffix inputs, no custom node
+    and no function (any ONNX runtime runs it); the bundle decodes dflash exactly, retrace is refused."""
+    from export_fixtures import MAX_BATCH
+    from runtime_fixtures import hf_greedy, load_hf_target
+
+    from retrace.errors import RetraceError
+    from retrace.export.onnx_export import drafter_io
+    from retrace.plugins import onnx_function as of
+    from retrace.runtime import Runtime, SamplingParams
+
+    monkeypatch.setattr(build_mod, "export_target_graph", _copy_graph("target"))  # the drafter export is real
+    out = tmp_path / "dflash"
+    res = cli_build(built, out, "--no-conditioner", "--max-batch", MAX_BATCH, "--max-seq-len", 96)
+    assert res.exit_code == 0, res.output
+    assert "0 retrace::GatedSuffixFusion" in res.output and "modes: ar, dflash)" in res.output
+    m = read_manifest(out)
+    assert m["models"]["conditioner"] is None and m["graphs"]["drafter"]["custom_nodes"] == 0
+    assert set(m["parity"]["drafter"]["cases"]) == {"first_round", "dflash"}
+    proto = onnx.load(str(out / "drafter" / "model.onnx"), load_external_data=False)
+    assert [i.name for i in proto.graph.input] == drafter_io(1, suffix=False)[0]
+    assert not of.fusion_nodes(proto) and not proto.functions
+    assert not any(o.domain == "retrace" for o in proto.opset_import)
+    rt = Runtime.from_bundle(out, threads=1)
+    prompt = [5, 17, 2, 40, 9]
+    got = rt.generate([prompt], SamplingParams(max_new_tokens=40), "dflash")[0].token_ids
+    assert got == hf_greedy(load_hf_target(built.target), prompt, 40)
+    with pytest.raises(RetraceError, match="needs a ReTrace conditioner"):
+        rt.generate([prompt], SamplingParams(max_new_tokens=4), "retrace")

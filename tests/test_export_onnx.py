@@ -155,15 +155,3 @@ def test_retrace_suffix_changes_the_draft(built, models):
     a = sess.run(["logits"], {n: t.numpy() for n, t in zip(names_in, on, strict=True)})[0]
     b = sess.run(["logits"], {n: t.numpy() for n, t in zip(names_in, off, strict=True)})[0]
     assert np.abs(a - b).max() > 1e-2
-
-
-def test_dflash_only_drafter_has_no_suffix_inputs_and_no_custom_node(built, tmp_path):
-    """Without a conditioner the drafter graph is plain DFlash: no suffix inputs, no custom op, no function."""
-    target, drafter = load_pair(built.target, built.drafter, load_conditioner=False)
-    g = onnx_export.export_drafter(drafter, tmp_path / "drafter")
-    assert g.inputs == onnx_export.drafter_io(drafter.config.layers.num_hidden_layers, suffix=False)[0]
-    onnx_export.check_graph(g.path, "drafter", expect_fusion_nodes=0)
-    proto = onnx.load(str(g.path), load_external_data=False)
-    assert not of.fusion_nodes(proto) and not proto.functions
-    res = onnx_parity.drafter_parity(drafter, g.path, block_size=BLOCK)
-    assert set(res) == {"first_round", "dflash"} and all(r["logits"] < TOL for r in res.values())

@@ -64,6 +64,7 @@ class BuildOptions:
     force: bool = False
     attention: str = "native"
     tolerance: float | None = None  # default: onnx_parity.TOLERANCE[dtype]
+    conditioner: bool = True  # include the drafter directory's ReTrace conditioner when it has one
     backend_options: dict[str, Any] = field(default_factory=dict)  # for hooks (e.g. TensorRT profiles)
 
     def __post_init__(self):
@@ -266,7 +267,7 @@ def _validate(opts: BuildOptions):
             raise BuildError(f"--block-size {block} must be in 2..{dcfg.block_size} (the drafter's block_size)")
         if block + 1 >= opts.max_seq_len:
             raise BuildError(f"--max-seq-len {opts.max_seq_len} leaves no room for a block of {block}")
-        if ReTraceConditioner.exists(opts.drafter):  # read its config now: a broken one fails fast
+        if opts.conditioner and ReTraceConditioner.exists(opts.drafter):  # read its config now: a broken one fails fast
             from retrace.models.config import read_json
 
             read_json(opts.drafter / "retrace_config.json")
@@ -318,7 +319,7 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
             # a target-only bundle (ar mode): still tap the middle layer so the graph I/O is uniform
             target, drafter = Qwen3Target.from_pretrained(opts.target, (tcfg.num_hidden_layers // 2,), dtype), None
         else:
-            target, drafter = load_pair(opts.target, opts.drafter, dtype=dtype)
+            target, drafter = load_pair(opts.target, opts.drafter, dtype=dtype, load_conditioner=opts.conditioner)
         ctx.target, ctx.drafter = target, drafter
 
     with reporter.stage(f"export target graph ({tcfg.num_hidden_layers} layers, {opts.attention} attention)"):

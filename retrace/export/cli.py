@@ -73,11 +73,13 @@ def _backends() -> list[str]:
               help="opset-23 Attention/RMSNormalization nodes, or MatMul/Softmax for older runtimes")
 @click.option("--tolerance", type=float, default=None,
               help="parity tolerance on logits (default 1e-4 float32, 3e-2 float16; scaled by max(1, max|logit|))")
+@click.option("--conditioner/--no-conditioner", default=True, show_default=True,
+              help="include the drafter directory's ReTrace conditioner (--no-conditioner: a DFlash-only bundle)")
 @click.option("--force", is_flag=True, help="replace an existing bundle at --out")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output (the summary is still printed)")
 @cli_errors
-def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_size, attention, tolerance, force,
-          quiet) -> None:
+def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_size, attention, tolerance,
+          conditioner, force, quiet) -> None:
     """Export, check and package a target (+ drafter) as an engine bundle.
 
     The bundle is built in a temp directory beside --out and renamed into place only when every check
@@ -89,7 +91,7 @@ def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_si
     console = Console(stderr=True)
     opts = BuildOptions(target=target, drafter=drafter, out=out, backend=backend, dtype=dtype, max_batch=max_batch,
                         max_seq_len=max_seq_len, block_size=block_size, force=force, attention=attention,
-                        tolerance=tolerance)
+                        tolerance=tolerance, conditioner=conditioner)
     if not quiet:
         console.print(f"[bold]retrace-export build[/bold] {target} + {drafter or '(no drafter)'} -> {out} "
                       f"[dim]({backend}, {dtype})[/dim]")
