@@ -166,7 +166,7 @@ def test_cache_matches_torch_kvcache_semantics():
     ]
     for slots, pos in steps:
         new = [torch.randn(len(slots), 2, pos.shape[1], 4, generator=g) for _ in range(4)]
-        ours.write(slots, pos, new)
+        ours.write(slots, pos, torch.stack(new))
         ref.write(slots, pos, new[0::2], new[1::2])
     for a, b in zip(ours.k + ours.v, ref.k + ref.v, strict=True):
         assert torch.equal(a, b)

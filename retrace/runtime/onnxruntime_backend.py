@@ -54,50 +54,57 @@ def default_providers() -> list[str]:
 
 
 class _Cache:
-    """K/V [S, Hkv, L, hd] per layer (numpy memory, torch views), plus a staging area for dense pasts."""
+    """K/V of every layer in ONE preallocated CPU tensor [2L, S, Hkv, max_seq_len, hd] (index 2i = layer i's
+    keys, 2i+1 its values: the graphs' past/new order), so a call's gather and write are one tensor op
+    each instead of 2L small ones; ORT reads the staged pasts and writes new K/V through raw pointers."""
 
     def __init__(self, layers: int, slots: int, heads: int, length: int, head_dim: int, dtype: torch.dtype):
-        shape = (slots, heads, length, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self.heads, self.head_dim, self.length = heads, head_dim, length
-        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=dtype) for _ in range(2 * layers)]
+        self.kv = torch.zeros(2 * layers, slots, heads, length, head_dim, dtype=dtype)
+        self.heads, self.head_dim, self.length, self.layers = heads, head_dim, length, layers
+        self._staging = torch.empty(0, dtype=dtype)
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return list(self.kv[0::2])
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return list(self.kv[1::2])
 
     def past(self, slots: torch.Tensor, length: int, mode: str) -> list[torch.Tensor]:
         """Dense past K/V [N, Hkv, length, hd] per layer, interleaved k0, v0, k1, v1, ..."""
         rows = contiguous_range(slots)
-        caches = [t for kv in zip(self.k, self.v, strict=True) for t in kv]
-        if mode == "full" and rows is not None:
-            return [c[rows] for c in caches]  # contiguous views, P = max_seq_len
         if mode == "full":
-            return [c[slots] for c in caches]
+            # contiguous slots: views of the caches, no copy (P = max_seq_len); scattered: one gather
+            return list(self.kv[:, rows]) if rows is not None else list(self.kv[:, slots].contiguous())
         n = slots.numel()
-        need = n * self.heads * length * self.head_dim
-        out = []
-        for i, c in enumerate(caches):
-            buf = self._staging[i]
-            if buf.numel() < need:  # grow geometrically, never beyond the cache itself
-                buf = self._staging[i] = torch.empty(min(max(need, 2 * buf.numel()), c.numel()), dtype=c.dtype)
-            dst = buf[:need].view(n, self.heads, length, self.head_dim)
-            if length:
-                torch.index_select(c[:, :, :length], 0, slots, out=dst) if rows is None else \
-                    dst.copy_(c[rows, :, :length])
-            out.append(dst)
-        return out
+        need = self.kv.shape[0] * n * self.heads * length * self.head_dim
+        if self._staging.numel() < need:  # grow geometrically, never beyond the cache itself
+            self._staging = torch.empty(min(max(need, 2 * self._staging.numel()), self.kv.numel()),
+                                        dtype=self.kv.dtype)
+        dst = self._staging[:need].view(self.kv.shape[0], n, self.heads, length, self.head_dim)
+        if length and rows is None:
+            torch.index_select(self.kv[:, :, :, :length], 1, slots, out=dst)
+        elif length:
+            dst.copy_(self.kv[:, rows, :, :length])
+        return list(dst)  # dst[j] is contiguous: [N, Hkv, length, hd]
 
-    def write(self, slots: torch.Tensor, positions: torch.Tensor, new: list[torch.Tensor]) -> None:
-        """new: interleaved [N, Hkv, T, hd] K/V per layer, written at (slot, position)."""
-        caches = [t for kv in zip(self.k, self.v, strict=True) for t in kv]
+    def new_buffer(self, n: int, t: int) -> torch.Tensor:
+        """Where a call's new K/V outputs go: [2L, N, Hkv, T, hd] (dst[j] contiguous, bound to output j)."""
+        return torch.empty(self.kv.shape[0], n, self.heads, t, self.head_dim, dtype=self.kv.dtype)
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, new: torch.Tensor) -> None:
+        """new [2L, N, Hkv, T, hd] written at (slot, position) for every layer."""
         T = positions.shape[1]
-        starts = positions[:, 0]
-        if T and bool((positions == starts.unsqueeze(1) + torch.arange(T)).all()):  # consecutive: slices
-            for n, (s, p0) in enumerate(zip(slots.tolist(), starts.tolist(), strict=True)):
-                for c, x in zip(caches, new, strict=True):
-                    c[s, :, p0:p0 + T] = x[n]
+        if not T:
             return
-        rows = slots[:, None]
-        for c, x in zip(caches, new, strict=True):
-            c[rows, :, positions] = x.transpose(1, 2)
+        starts = positions[:, 0]
+        if bool((positions == starts.unsqueeze(1) + torch.arange(T)).all()):  # consecutive: one slice per row
+            for n, (s, p0) in enumerate(zip(slots.tolist(), starts.tolist(), strict=True)):
+                self.kv[:, s, :, p0:p0 + T] = new[:, n]
+            return
+        # index dims (rows, positions) broadcast to [N, T] and move to the front: [N, T, 2L, Hkv, hd]
+        self.kv[:, slots[:, None], :, positions] = new.permute(1, 3, 0, 2, 4)
 
 
 class _Graph:
@@ -114,7 +121,6 @@ class _Graph:
         self.outputs = {o.name: _NP.get(o.type) for o in self.sess.get_outputs()}
         self.past_names = [n for n in self.inputs if n.startswith(("past_key_", "past_value_"))]
         self.new_names = [n for n in self.outputs if n.startswith(("new_key_", "new_value_"))]
-        self.device = "cuda" if self.sess.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
 
     def dtype(self, name: str) -> torch.dtype:
         return _TORCH[self.inputs[name] if name in self.inputs else self.outputs[name]]
@@ -218,15 +224,13 @@ class OnnxRuntimeBackend:
         feeds = {"input_ids": input_ids.to(torch.int64), "position_ids": positions.to(torch.int64),
                  "past_len": past_len.to(torch.int64), "logits_index": logits_index.to(torch.int64)}
         feeds.update(zip(g.past_names, past, strict=True))
-        c = self.target_config.layers
         K = logits_index.shape[1]
         out = {"logits": torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits")),
                "taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
-        new_names = g.new_names
-        for n in new_names:
-            out[n] = torch.empty(N, c.num_key_value_heads, T, c.head_dim, dtype=g.dtype(n))
+        new = self.tcache.new_buffer(N, T)
+        out.update(zip(g.new_names, new, strict=True))
         g.run(feeds, out)
-        self.tcache.write(slots, positions, [out[n] for n in new_names])
+        self.tcache.write(slots, positions, new)
         return out["logits"], out["taps"]
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
@@ -255,11 +259,10 @@ class OnnxRuntimeBackend:
         c = dc.layers
         out = {"hidden": torch.empty(N, B, c.hidden_size, dtype=g.dtype("hidden")),
                "logits": torch.empty(N, B - 1, dc.vocab_size, dtype=g.dtype("logits"))}
-        new_names = g.new_names
-        for n in new_names:
-            out[n] = torch.empty(N, c.num_key_value_heads, C, c.head_dim, dtype=g.dtype(n))
+        new = self.dcache.new_buffer(N, C)
+        out.update(zip(g.new_names, new, strict=True))
         g.run(feeds, out)
-        self.dcache.write(slots, ctx_positions, [out[n] for n in new_names])
+        self.dcache.write(slots, ctx_positions, new)
         hidden = out["hidden"]
         return (hidden if hidden.dtype == torch.float32 else hidden.float()), out["logits"]
 
