@@ -117,6 +117,16 @@ def test_bad_options_are_one_line_errors(built, tmp_path, args, msg):
     assert not (tmp_path / "b").exists() and not leftovers(tmp_path, "b")
 
 
+def test_tensorrt_backend_without_tensorrt_fails_fast(built, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+    res = cli_build(built, tmp_path / "b", "--backend", "tensorrt")
+    assert res.exit_code == 3 and "pip install tensorrt" in res.output, res.output
+    assert "export target graph" not in res.output  # refused before any export
+    assert not (tmp_path / "b").exists() and not leftovers(tmp_path, "b")
+
+
 def test_missing_or_mismatched_inputs(built, tmp_path):
     res = CliRunner().invoke(main, ["build", "--target", str(tmp_path / "nope"), "--drafter", str(built.drafter),
                                     "--out", str(tmp_path / "b")])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from retrace.errors import RetraceError
+from retrace.errors import MissingDependencyError, RetraceError
 
 
 def cli_errors(fn):
@@ -26,13 +26,11 @@ def cli_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from retrace.plugins.errors import RetraceMissingDependency
-
         try:
             return fn(*args, **kwargs)
-        except RetraceMissingDependency as e:
+        except MissingDependencyError as e:
             click.echo(f"error: {e}", err=True)
-            sys.exit(e.exit_code)
+            sys.exit(getattr(e, "exit_code", 3))
         except RetraceError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
@@ -62,7 +60,9 @@ def _backends() -> list[str]:
               help="DFlash drafter directory (with retrace_config.json/retrace.safetensors for ReTrace); "
                    "omit for a target-only (autoregressive) bundle")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="bundle directory to create")
-@click.option("--backend", type=click.Choice(_backends()), default="onnxruntime", show_default=True)
+@click.option("--backend", type=click.Choice(_backends()), default="onnxruntime", show_default=True,
+              help="onnxruntime: the ONNX graphs are the engine (CPU EP; CUDA EP with onnxruntime-gpu); "
+                   "tensorrt: TensorRT plans built from them as well (needs TensorRT and an NVIDIA GPU)")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
 @click.option("--max-batch", type=int, default=8, show_default=True, help="most concurrent requests")
 @click.option("--max-seq-len", type=int, default=None,
