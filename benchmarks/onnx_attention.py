@@ -16,7 +16,9 @@ Default pair: random, ~6.8M-parameter target (hidden 256, 6 layers, 8 heads / 4 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
     import onnxruntime as ort
 
     tmp = Path(tempfile.mkdtemp(prefix="onnx-attention-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     tdir, ddir = (a.target, a.drafter) if a.target else random_pair(tmp / "pair")
     target, drafter = load_pair(tdir, ddir)
     n_params = sum(p.numel() for p in target.parameters())

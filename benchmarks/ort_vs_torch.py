@@ -21,7 +21,9 @@ retrace rows measure the cost of a round, not a speed-up.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -130,6 +132,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     tmp = Path(tempfile.mkdtemp(prefix="ort-vs-torch-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     if a.target:
         tdir, ddir = Path(a.target), Path(a.drafter)
     elif (ZOO / "target").is_dir():
