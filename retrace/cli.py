@@ -86,18 +86,24 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
     return out
 
 
-def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads):
+def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
+                  verify_bundle: bool = True):
+    """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch)."""
     from retrace.runtime import Runtime
 
+    for name, value in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len), ("--threads", threads)):
+        if value is not None and value <= 0:
+            raise RetraceError(f"{name} must be positive, got {value}")
     if engine is not None:
         if target or drafter:
             raise RetraceError("give either --engine or --target/--drafter, not both")
+        extra = {} if verify_bundle else {"verify": False}
         return Runtime.from_bundle(engine, backend=backend or "onnxruntime", block_size=block_size,
-                                   max_batch=max_batch, threads=threads)
+                                   max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, **extra)
     if target is None:
         raise RetraceError("give --target (and --drafter) or --engine")
-    return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch,
-                             max_seq_len=max_seq_len, block_size=block_size, threads=threads)
+    return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch or 8,
+                             max_seq_len=max_seq_len or 2048, block_size=block_size, threads=threads)
 
 
 def runtime_options(fn):
@@ -107,10 +113,13 @@ def runtime_options(fn):
         click.option("--engine", type=click.Path(), help="engine bundle from retrace-export build"),
         click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
                      help="torch for --target/--drafter (default), onnxruntime for --engine (default)"),
-        click.option("--max-batch", type=int, default=8, show_default=True),
-        click.option("--max-seq-len", type=int, default=2048, show_default=True),
+        click.option("--max-batch", type=int, default=None, help="batch slots [default: 8, or the bundle's limit]"),
+        click.option("--max-seq-len", type=int, default=None,
+                     help="tokens per slot [default: 2048, or the bundle's limit]"),
         click.option("--block-size", type=int, default=None, help="tokens per draft block (default: drafter's)"),
         click.option("--threads", type=int, default=None, help="CPU threads for the backend"),
+        click.option("--no-verify-bundle", "no_verify_bundle", is_flag=True,
+                     help="skip re-hashing the bundle's files on load (sizes are still checked)"),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -140,7 +149,8 @@ def sampling_options(fn):
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with outputs and stats")
 @user_errors
-def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, prompt, prompt_ids,
+def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
+             prompt, prompt_ids,
              prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, as_json) -> None:
     """Generate with speculative decoding (lossless: greedy output equals the target's own)."""
     import json
@@ -152,7 +162,8 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)
-    rt = build_runtime(target, drafter, engine, backend, max(max_batch, 1), max_seq_len, block_size, threads)
+    rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
+                       verify_bundle=not no_verify_bundle)
     if as_json:
         results = rt.generate(prompts, params, mode)
     else:
