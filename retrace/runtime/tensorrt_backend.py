@@ -171,7 +171,11 @@ class TensorRTBackend:
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, engine_dir: str | Path | None = None, device: str = "cuda",
-                    target_subdir: str = "target", drafter_subdir: str = "drafter") -> TensorRTBackend:
+                    target_subdir: str = "target", drafter_subdir: str = "drafter",
+                    max_batch: int | None = None, max_seq_len: int | None = None, threads: int | None = None,
+                    verify: bool | None = None) -> TensorRTBackend:
+        """The plans' profiles fix the limits: max_batch / max_seq_len / threads / verify are accepted for
+        interface compatibility with the other bundle backends (the CLI passes them) and otherwise ignored."""
         require_tensorrt("The TensorRT backend")  # before anything else: one clear message
         bundle = Path(bundle_dir)
         target_config = Qwen3Config.from_dir(bundle / target_subdir)
