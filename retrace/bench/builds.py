@@ -20,7 +20,7 @@ from pathlib import Path
 
 from retrace.errors import MissingDependencyError, RetraceError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json",)  # the builder writes tokenizer_config.json itself
 
 
 def default_cache_dir() -> Path:
