@@ -1,4 +1,8 @@
-"""Tiny model zoo, target stage: corpus, tokenizer, Qwen3 target, prompt sets (``test`` size, CPU only)."""
+"""Tiny model zoo, target stage: corpus, tokenizer, Qwen3 target, prompt sets (``test`` size, CPU only).
+
+torch is imported inside the tests, after ``retrace.train.target_lm``, so that (when this file runs alone)
+libgomp starts with OMP_WAIT_POLICY=PASSIVE, which keeps 2-thread training usable on a busy machine.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from retrace.train import corpus, prompts, target_lm, tokenizer
-from retrace.train.zoo_target import build_target_stage, cached_metrics, read_manifest
+from retrace.train.zoo_target import MANIFEST_NAME, build_target_stage, cached_metrics, read_manifest
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +93,7 @@ def test_tokenizer_loads_and_roundtrips(built):
 
 
 def test_target_loads_with_transformers(built):
+    import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
 
     out, m, _ = built
@@ -134,7 +138,7 @@ def test_prompt_files(built):
         assert {r["domain"] for r in rows} == {domain}
         assert len({r["prompt"] for r in rows}) == len(rows)
         for r in rows:
-            assert isinstance(r["prompt"], str) and r["prompt"].endswith("\n")
+            assert isinstance(r["prompt"], str) and r["prompt"] == r["prompt"].rstrip()  # ends at a line end
             assert lo <= r["n_tokens"] <= hi
             assert "<|" not in r["prompt"]
     assert all(r["source"].split(":")[0] in eval_paths for r in code)  # held out
@@ -161,6 +165,8 @@ def test_corpus_split_and_tokenizer_deterministic(built):
 
 
 def test_training_deterministic():
+    import torch
+
     preset = target_lm.get_preset("test", steps=6, warmup_steps=2, batch_size=4, seq_len=32)
     stream = torch.arange(5000) % 97 + 3
     shas = []
@@ -184,3 +190,36 @@ def test_lr_schedule_and_reset_guard():
     tied = target_lm.build_model(target_lm.make_config(target_lm.get_preset("test", tie_embeddings=True)), 0)
     with pytest.raises(ValueError):
         target_lm.reset_untrained_rows(tied, [tokenizer.MASK_ID])
+
+
+def test_cut_at_tokens_line_aligned():
+    text = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(200))
+    tok = tokenizer.train_bpe([text], 300)
+    cut = prompts.cut_at_tokens(tok, text, 20, 40, 30)
+    assert cut is not None and text.startswith(cut) and text[len(cut)] == "\n" and cut == cut.rstrip()
+    ids = tok.encode(cut).ids
+    assert 20 <= len(ids) <= 40
+    assert tok.encode(text).ids[: len(ids)] == ids  # the cut is on a token boundary of the source
+    assert prompts.cut_at_tokens(tok, "def f(x):\n    return x\n", 20, 40, 30) is None  # too short
+    assert prompts.cut_at_tokens(tok, "x" * 500, 20, 40, 30) is None  # no line end
+
+
+def test_prompt_only_rebuild_keeps_weights(built, tmp_path):
+    """A manifest whose prompt key is stale (here: the version-1 flat key) regenerates prompts, not weights."""
+    import shutil
+
+    src, m, _ = built
+    out = tmp_path / "zoo"
+    for sub in ("target", "prompts", "data"):
+        shutil.copytree(src / sub, out / sub)
+    man = read_manifest(out)
+    legacy = dict(man["train_key"], stage_version=man["train_key"]["target_version"], prompt_counts={})
+    del legacy["target_version"]
+    (out / "target" / MANIFEST_NAME).write_text(json.dumps({"key": legacy, "metrics": man["metrics"]}))
+    (out / "prompts" / "code.jsonl").write_text("")
+    assert cached_metrics(out, size="test", seed=0) is None
+    again = build_target_stage(out, size="test", seed=0, progress=False)
+    assert again["prompts_rebuilt"] is True and again["cached"] is False
+    assert _sha(out / "target" / "model.safetensors") == m["weights_sha256"]
+    assert (out / "prompts" / "code.jsonl").read_bytes() == (src / "prompts" / "code.jsonl").read_bytes()
+    assert build_target_stage(out, size="test", seed=0, progress=False)["cached"] is True

@@ -4,13 +4,14 @@ Files (one JSON object per line; ``prompt`` and ``domain`` are the contract, the
 provenance):
 
 - ``prompts/code.jsonl``: the beginning of a function or class (decorators included, indentation kept)
-  from the HELD-OUT stdlib files, cut at a line end, 64-200 tokens.
+  from the HELD-OUT stdlib files, 64-200 tokens.
 - ``prompts/docs.jsonl``: English technical prose: passages of the language-reference topics in
-  ``pydoc_data/topics.py`` (excluded from training, so all held out), starting at a paragraph and cut at a
-  line end, 64-200 tokens.  Falls back to held-out docstrings if ``pydoc_data`` is missing.
+  ``pydoc_data/topics.py`` (excluded from training, so all held out), starting at a paragraph, 64-200
+  tokens.  Falls back to held-out docstrings if ``pydoc_data`` is missing.
 - ``data/train_prompts.jsonl``: windows of TRAIN-split code starting at a random line, 32-128 tokens, for
   drafter distillation (the target writes the continuations).
 
+Every prompt ends at the end of a non-blank line WITHOUT the newline (see :func:`cut_at_tokens`).
 Keys: ``{"id", "prompt", "domain", "source", "n_tokens"}``; ``n_tokens`` is the length under the zoo
 tokenizer.  No prompt contains a special-token string.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from .corpus import SourceFile
 from .tokenizer import SPECIAL_TOKENS
 
+PROMPTS_VERSION = 2  # bump when the prompt files change for the same seed and tokenizer
 CODE_TOKENS = (64, 200)
 DOCS_TOKENS = (64, 200)
 TRAIN_TOKENS = (32, 128)
@@ -44,27 +46,40 @@ def _clean(text: str) -> bool:
     return not any(s in text for s in SPECIAL_TOKENS)
 
 
-def cut_at_tokens(tok, text: str, lo: int, hi: int, target: int) -> str | None:
-    """The longest prefix of ``text`` that ends at a line end and has <= ``target`` tokens; None if < ``lo``.
+def _line_end_before(text: str, end: int) -> int:
+    """Index of the last newline before ``end`` that ends a non-blank line (whitespace-free end), or -1."""
+    cut = text.rfind("\n", 0, end)
+    while cut > 0 and text[cut - 1].isspace():
+        cut = text.rfind("\n", 0, cut)
+    return cut if cut > 0 else -1
 
-    ``target`` is clipped to [lo, hi].  The returned prefix always ends with a newline.
+
+def cut_at_tokens(tok, text: str, lo: int, hi: int, target: int) -> str | None:
+    """The longest prefix of ``text`` that ends at the end of a non-blank line, newline EXCLUDED, with at most
+    ``target`` tokens; None if that has fewer than ``lo`` tokens.  ``target`` is clipped to [lo, hi].
+
+    Why the newline is left out: the byte-level pre-tokeniser merges a newline with the indentation that
+    follows it ("\n" + 8 spaces is one pre-token), so a prompt ending in a bare "\n" ends in a token that
+    training almost only saw before unindented code, and greedy continuations jump to a new top-level
+    statement.  Ending before the newline puts the cut on a pre-token boundary: the prompt's tokens are a
+    prefix of the source's tokens and the next token is the natural "\n" + indentation.
     """
     target = max(lo, min(hi, target))
     enc = _raw(tok).encode(text, add_special_tokens=False)
-    if len(enc.ids) <= target:
+    end = len(text) if len(enc.ids) <= target else enc.offsets[target][0]
+    if end >= len(text) and not text.endswith("\n"):
+        text = text + "\n"  # the whole text fits: treat its end as a line end
         end = len(text)
-    else:
-        end = enc.offsets[target][0]  # char offset where token `target` (the first one too many) starts
-    cut = text.rfind("\n", 0, end)
+    cut = _line_end_before(text, end)
     if cut < 0:
         return None
-    prefix = text[: cut + 1]
+    prefix = text[:cut]
     n = _n_tokens(tok, prefix)
     while n > hi:  # re-tokenisation at the new end may differ slightly; trim whole lines
-        cut = prefix.rfind("\n", 0, len(prefix) - 1)
+        cut = _line_end_before(prefix, len(prefix))
         if cut < 0:
             return None
-        prefix = prefix[: cut + 1]
+        prefix = prefix[:cut]
         n = _n_tokens(tok, prefix)
     if n < lo or not prefix.strip():
         return None

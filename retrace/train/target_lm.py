@@ -269,6 +269,7 @@ def train_target(
             total=preset.steps, desc="target", unit="step", dynamic_ncols=True, leave=False, mininterval=2.0
         )
     t0 = time.perf_counter()
+    c0 = time.process_time()
     ema = None
     for step in range(preset.steps):
         for g in opt.param_groups:
@@ -294,6 +295,7 @@ def train_target(
     if bar is not None:
         bar.close()
     secs = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     tokens = preset.steps * preset.batch_size * preset.seq_len
     model.eval()
     return {
@@ -302,6 +304,7 @@ def train_target(
         "stream_tokens": int(stream.numel()),
         "epochs": round(tokens / max(1, stream.numel()), 3),
         "train_seconds": round(secs, 2),
+        "train_cpu_seconds": round(cpu, 2),  # all threads; ~ threads x wall on an otherwise idle machine
         "tokens_per_second": round(tokens / max(secs, 1e-9), 1),
         "final_loss_ema": round(float(ema), 4) if ema is not None else None,
         "loss_curve": curve,

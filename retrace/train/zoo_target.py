@@ -3,20 +3,25 @@
 ``build_target_stage(out_dir, size, seed)`` writes::
 
     out_dir/target/    HF Qwen3ForCausalLM dir: config.json, model.safetensors, generation_config.json,
-                       tokenizer.json, tokenizer_config.json, zoo_manifest.json (stage key + metrics)
+                       tokenizer.json, tokenizer_config.json, zoo_manifest.json (stage keys + metrics)
     out_dir/prompts/   code.jsonl, docs.jsonl            (held-out evaluation prompts)
     out_dir/data/      train_prompts.jsonl, split.json   (drafter distillation prompts; corpus split)
 
-and returns the metrics dict.  It is cached: when ``target/zoo_manifest.json`` carries the same stage key
-(size, seed, preset, stage version, library versions, interpreter/stdlib) and the other files exist, it
-returns the stored metrics without touching anything (``metrics["cached"] is True``).  A build goes into
-a temporary directory beside the outputs and is moved into place at the end (``target/`` last, so a
-half-finished build never looks valid); rebuilding replaces ``target/``, ``prompts/`` and ``data/``
-wholesale.
+and returns the metrics dict.  It is cached.  The manifest holds two keys:
 
-Sizing of the ``small`` target (2 CPU cores, bf16 autocast, ~7 minutes): hidden 256, 4 layers, SwiGLU 768,
-4 query heads x head_dim 64 with 2 KV heads (GQA 2:1), untied embeddings, vocab 2048, trained at
-context 512.  See the report in the module history/README for the alternatives measured.
+- ``train_key``: size, seed, preset, target-training version, library versions, interpreter/stdlib.  It
+  decides the tokenizer and the weights.
+- ``prompts_key``: prompt-generation version, counts and seed.  It decides ``prompts/`` and ``data/``.
+
+Both match and all files exist: the stored metrics come back at once (``metrics["cached"] is True``).
+Only ``prompts_key`` differs: the prompt sets are regenerated from the existing tokenizer and weights (a
+few seconds; ``metrics["prompts_rebuilt"] is True``).  Otherwise everything is rebuilt.  A build goes into
+a temporary directory beside the outputs and is moved into place at the end (``target/`` last, so a
+half-finished build never looks valid); a build replaces ``target/``, ``prompts/`` and ``data/`` wholesale.
+
+Sizing of the ``small`` target (2 CPU cores, bf16 autocast, ~7 minutes on an idle machine): hidden 256,
+4 layers, SwiGLU 768, 4 query heads x head_dim 64 with 2 KV heads (GQA 2:1), untied embeddings, vocab
+2048, trained at context 512 for 1100 steps of 8 x 512 tokens (~1.8 epochs of the stdlib train split).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from . import prompts as prompts_mod
 from . import target_lm
 from . import tokenizer as tok_mod
 
-STAGE_VERSION = 1
+TARGET_VERSION = 1  # bump when the tokenizer/weights change for the same preset and seed
 MANIFEST_NAME = "zoo_manifest.json"
 
 PROMPT_COUNTS = {
@@ -58,17 +63,27 @@ def _versions() -> dict:
     }
 
 
-def stage_key(size: str, seed: int, preset: target_lm.TargetPreset) -> dict:
+def train_key(size: str, seed: int, preset: target_lm.TargetPreset) -> dict:
+    """What decides the tokenizer and the weights."""
     return {
         "stage": "target",
-        "stage_version": STAGE_VERSION,
+        "target_version": TARGET_VERSION,
         "size": size,
         "seed": int(seed),
         "preset": preset.to_dict(),
-        "prompt_counts": PROMPT_COUNTS[size],
         "stdlib": str(corpus_mod.stdlib_dir()),
         "versions": _versions(),
     }
+
+
+def prompts_key(size: str, seed: int) -> dict:
+    """What decides prompts/ and data/ (given the tokenizer)."""
+    return {"prompts_version": prompts_mod.PROMPTS_VERSION, "seed": int(seed), "counts": PROMPT_COUNTS[size]}
+
+
+def stage_key(size: str, seed: int, preset: target_lm.TargetPreset) -> dict:
+    """The whole stage's key (train key + prompts key): equal keys mean equal outputs."""
+    return {"train": train_key(size, seed, preset), "prompts": prompts_key(size, seed)}
 
 
 def _expected_files() -> dict[str, list[str]]:
@@ -94,17 +109,34 @@ def read_manifest(out_dir: str | Path) -> dict | None:
         return None
 
 
+def _manifest_keys(man: dict) -> tuple[dict | None, dict | None]:
+    """(train_key, prompts_key) of a manifest; also reads version-1 manifests (one flat ``key``)."""
+    if "train_key" in man:
+        return man.get("train_key"), man.get("prompts_key")
+    old = man.get("key") or {}
+    if old.get("stage") != "target" or "stage_version" not in old:
+        return None, None
+    tk = {k: v for k, v in old.items() if k not in ("prompt_counts", "stage_version")}
+    tk["target_version"] = old["stage_version"]
+    return tk, None  # version-1 prompts end in a newline: always regenerate
+
+
+def _files_complete(out_dir: Path, subs=("target", "prompts", "data")) -> bool:
+    files = _expected_files()
+    return all((out_dir / sub / n).is_file() for sub in subs for n in files[sub])
+
+
 def cached_metrics(out_dir: str | Path, size: str = "small", seed: int = 0, **overrides) -> dict | None:
-    """The stored metrics if ``out_dir`` holds a complete build with a matching key, else None."""
+    """The stored metrics if ``out_dir`` holds a complete build with matching keys, else None."""
     out_dir = Path(out_dir)
     man = read_manifest(out_dir)
     if man is None:
         return None
-    if man.get("key") != stage_key(size, seed, target_lm.get_preset(size, **overrides)):
+    tk, pk = _manifest_keys(man)
+    if tk != train_key(size, seed, target_lm.get_preset(size, **overrides)) or pk != prompts_key(size, seed):
         return None
-    for sub, names in _expected_files().items():
-        if not all((out_dir / sub / n).is_file() for n in names):
-            return None
+    if not _files_complete(out_dir):
+        return None
     return dict(man["metrics"], cached=True)
 
 
@@ -134,27 +166,35 @@ def build_target_stage(
     """Build (or reuse) the target stage of the tiny zoo in ``out_dir``; returns metrics.
 
     ``overrides`` replace fields of the size preset (:class:`retrace.train.target_lm.TargetPreset`), e.g.
-    ``steps=50``; they are part of the cache key.
+    ``steps=50``; they are part of the cache key.  ``force`` rebuilds everything.
     """
     out_dir = Path(out_dir)
     preset = target_lm.get_preset(size, **overrides)
-    key = stage_key(size, seed, preset)
+    tkey, pkey = train_key(size, seed, preset), prompts_key(size, seed)
+    reuse_target = False
     if not force:
         hit = cached_metrics(out_dir, size, seed, **overrides)
         if hit is not None:
             _log(progress, f"cache hit: {out_dir / 'target'}")
             return hit
+        man = read_manifest(out_dir)
+        reuse_target = (
+            man is not None and _manifest_keys(man)[0] == tkey and _files_complete(out_dir, ("target",))
+        )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = out_dir / f".zoo-target-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
         with target_lm.torch_threads(num_threads) as nthreads:
-            metrics = _build(staging, size, seed, preset, key, progress, nthreads)
+            if reuse_target:
+                _log(progress, "target weights match; regenerating prompt sets only")
+                metrics = _rebuild_prompts(out_dir, staging, size, seed, tkey, pkey, progress)
+            else:
+                metrics = _build(staging, size, seed, preset, tkey, pkey, progress, nthreads)
         _install(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    metrics["target_dir"] = str(out_dir / "target")
     return dict(metrics, cached=False)
 
 
@@ -169,11 +209,86 @@ def _install(staging: Path, out_dir: Path) -> None:
         os.replace(staging / name, out_dir / name)
 
 
-def _build(stage: Path, size: str, seed: int, preset, key: dict, progress: bool, nthreads: int) -> dict:
-    import torch
+def _write_manifest(tdir: Path, tkey: dict, pkey: dict, metrics: dict, preset_seq_len: int, nthreads) -> None:
+    manifest = {
+        "train_key": tkey,
+        "prompts_key": pkey,
+        "metrics": metrics,
+        "mask_token_id": tok_mod.MASK_ID,
+        "eos_token_id": tok_mod.EOS_ID,
+        "pad_token_id": tok_mod.PAD_ID,
+        "trained_context_length": preset_seq_len,
+        "created_unix": int(time.time()),
+        "torch_threads": nthreads,
+    }
+    (tdir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
 
-    t_start = time.perf_counter()
+
+def _prompt_stage(stage: Path, split, tok, model, size: str, seed: int) -> dict:
+    """Write prompts/ and data/ into ``stage``; returns prompt counts and greedy samples."""
     counts = PROMPT_COUNTS[size]
+    code = prompts_mod.code_prompts(split.eval, tok, counts["code"], seed)
+    docs = prompts_mod.docs_prompts(
+        corpus_mod.pydoc_topics(), tok, counts["docs"], seed, fallback_files=split.eval
+    )
+    trainp = prompts_mod.train_prompts(split.train, tok, counts["train"], seed)
+    prompts_mod.write_jsonl(stage / "prompts" / "code.jsonl", code)
+    prompts_mod.write_jsonl(stage / "prompts" / "docs.jsonl", docs)
+    prompts_mod.write_jsonl(stage / "data" / "train_prompts.jsonl", trainp)
+    split_info = dict(
+        split.summary(),
+        train_paths=[f.relpath for f in split.train],
+        eval_paths=[f.relpath for f in split.eval],
+        salt=corpus_mod.SPLIT_SALT,
+    )
+    (stage / "data" / "split.json").write_text(json.dumps(split_info, indent=2) + "\n")
+
+    samples = {}
+    for name, rows in (("code", code), ("docs", docs)):
+        if not rows:
+            continue
+        ids = tok.encode(rows[0]["prompt"], add_special_tokens=False).ids
+        new = target_lm.greedy_continue(model, ids, SAMPLE_NEW_TOKENS, eos_id=tok_mod.EOS_ID)
+        samples[name] = {
+            "prompt_id": rows[0]["id"],
+            "prompt_tail": rows[0]["prompt"][-200:],
+            "completion": tok.decode(new, skip_special_tokens=False),
+            **target_lm.repetition_stats(new),
+        }
+    return {
+        "prompts": {"code": len(code), "docs": len(docs), "train": len(trainp)},
+        "samples": samples,
+        "sample": samples.get("code", {}).get("completion", ""),
+    }
+
+
+def _rebuild_prompts(
+    out_dir: Path, stage: Path, size: str, seed: int, tkey: dict, pkey: dict, progress: bool
+):
+    from tokenizers import Tokenizer
+    from transformers import Qwen3ForCausalLM
+
+    man = read_manifest(out_dir)
+    tdir = stage / "target"
+    shutil.copytree(out_dir / "target", tdir)
+    split = corpus_mod.load_corpus(size)
+    tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+    model = Qwen3ForCausalLM.from_pretrained(str(tdir)).float().eval()
+    metrics = dict(man["metrics"])
+    metrics.pop("cached", None)
+    metrics.update(_prompt_stage(stage, split, tok, model, size, seed))
+    metrics["prompts_rebuilt"] = True
+    metrics["target_dir"] = str(out_dir / "target")
+    _write_manifest(tdir, tkey, pkey, metrics, man.get("trained_context_length"), man.get("torch_threads"))
+    _log(progress, f"prompts: {metrics['prompts']}")
+    return metrics
+
+
+def _build(
+    stage: Path, size: str, seed: int, preset, tkey: dict, pkey: dict, progress: bool, nthreads: int
+) -> dict:
+    t_start = time.perf_counter()
+    c_start = time.process_time()
 
     # 1. corpus
     split = corpus_mod.load_corpus(size)
@@ -227,37 +342,8 @@ def _build(stage: Path, size: str, seed: int, preset, key: dict, progress: bool,
     target_lm.save_target(model, tdir, tok_mod.EOS_ID, tok_mod.PAD_ID)
     tok_mod.save_tokenizer(tok, tdir, model_max_length=preset.max_position_embeddings)
 
-    # 4. prompts
-    hf_tok = tok  # the raw tokenizers.Tokenizer is enough for counting
-    code = prompts_mod.code_prompts(split.eval, hf_tok, counts["code"], seed)
-    docs = prompts_mod.docs_prompts(
-        corpus_mod.pydoc_topics(), hf_tok, counts["docs"], seed, fallback_files=split.eval
-    )
-    trainp = prompts_mod.train_prompts(split.train, hf_tok, counts["train"], seed)
-    prompts_mod.write_jsonl(stage / "prompts" / "code.jsonl", code)
-    prompts_mod.write_jsonl(stage / "prompts" / "docs.jsonl", docs)
-    prompts_mod.write_jsonl(stage / "data" / "train_prompts.jsonl", trainp)
-    split_info = dict(
-        split.summary(),
-        train_paths=[f.relpath for f in split.train],
-        eval_paths=[f.relpath for f in split.eval],
-        salt=corpus_mod.SPLIT_SALT,
-    )
-    (stage / "data" / "split.json").write_text(json.dumps(split_info, indent=2) + "\n")
-
-    # sample: greedy continuation of held-out prompts
-    samples = {}
-    for name, rows in (("code", code), ("docs", docs)):
-        if not rows:
-            continue
-        ids = tok.encode(rows[0]["prompt"], add_special_tokens=False).ids
-        new = target_lm.greedy_continue(model, ids, SAMPLE_NEW_TOKENS, eos_id=tok_mod.EOS_ID)
-        samples[name] = {
-            "prompt_id": rows[0]["id"],
-            "prompt_tail": rows[0]["prompt"][-200:],
-            "completion": tok.decode(new, skip_special_tokens=False),
-            **target_lm.repetition_stats(new),
-        }
+    # 4. prompts (+ greedy samples of held-out prompts)
+    pm = _prompt_stage(stage, split, tok, model, size, seed)
 
     metrics = {
         "size": size,
@@ -278,25 +364,14 @@ def _build(stage: Path, size: str, seed: int, preset, key: dict, progress: bool,
         "chars_per_token": round(split.train_chars / max(1, train_stream.numel() - len(split.train)), 3),
         "num_threads": nthreads,
         "corpus": split.summary(),
-        "prompts": {"code": len(code), "docs": len(docs), "train": len(trainp)},
         "special_tokens": {"eos": tok_mod.EOS_ID, "pad": tok_mod.PAD_ID, "mask": tok_mod.MASK_ID},
         "mask_row_reset": reset,
-        "samples": samples,
-        "sample": samples.get("code", {}).get("completion", ""),
+        **pm,
         "weights_sha256": _sha256_file(tdir / "model.safetensors"),
         "tokenizer_sha256": _sha256_file(tdir / "tokenizer.json"),
         "total_seconds": round(time.perf_counter() - t_start, 2),
+        "total_cpu_seconds": round(time.process_time() - c_start, 2),
+        "target_dir": str(stage.parent / "target"),
     }
-    manifest = {
-        "key": key,
-        "metrics": metrics,
-        "mask_token_id": tok_mod.MASK_ID,
-        "eos_token_id": tok_mod.EOS_ID,
-        "pad_token_id": tok_mod.PAD_ID,
-        "trained_context_length": preset.seq_len,
-        "created_unix": int(time.time()),
-        "torch_threads": nthreads,
-    }
-    (tdir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    del torch
+    _write_manifest(tdir, tkey, pkey, metrics, preset.seq_len, nthreads)
     return metrics
