@@ -94,3 +94,19 @@ def test_mask_token_lookup(tmp_path):
         find_mask_token_id(tmp_path / "nowhere", 100)
     with pytest.raises(RetraceError, match="outside"):
         find_mask_token_id(tmp_path, 100, 100)
+
+
+def test_taps_captured_while_generating_equal_clean_taps(setup):
+    from retrace.models.target import Qwen3Target
+    from retrace.train.dflash import compute_taps
+    from retrace.train.rollout import generate
+
+    target_dir, _ = setup
+    t = Qwen3Target.from_pretrained(target_dir, tap_layers=(1,))
+    ps = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20]]
+    outs, taps = generate(t, ps, 10, max_batch=2, return_taps=True)
+    clean = compute_taps(t, [p + o for p, o in zip(ps, outs, strict=True)], 3, torch.device("cpu"),
+                         store_dtype=torch.float32)
+    for p, o, a, b in zip(ps, outs, taps, clean, strict=True):
+        assert a.shape[0] == len(p) + len(o) - 1  # the last token is never fed
+        assert (a.float() - b[:-1]).abs().max() < 1e-2  # fp16 storage

@@ -215,19 +215,36 @@ def prepare_prompts(target_dir, data: str | Path, max_prompt_len: int, num: int 
     return [ids[i] for i in tr], [ids[i] for i in va]
 
 
-def cached_responses(cache: Path, key: dict, make) -> list[list[int]]:
-    """Responses are expensive on CPU: keep them beside the run (JSON, keyed by what produced them)."""
+def cached_responses(cache_dir: Path, key: dict, make, with_taps: bool):
+    """Responses (and their target taps) are expensive on CPU: keep them beside the run, keyed by what
+    produced them (`responses.json`; taps concatenated in `taps.safetensors`). make(with_taps) ->
+    (responses, taps or None). Returns (responses, taps or None)."""
+    from safetensors.torch import load_file, save_file
+
     k = _sha(key)
-    if cache.is_file():
+    rj, tf = cache_dir / "responses.json", cache_dir / "taps.safetensors"
+    if rj.is_file():
         try:
-            obj = json.loads(cache.read_text())
+            obj = json.loads(rj.read_text())
             if obj.get("key") == k:
-                return obj["responses"]
-        except (OSError, ValueError):
+                taps = None
+                if with_taps and tf.is_file():
+                    t = load_file(str(tf))
+                    if t["key"].tolist() == list(bytes.fromhex(k)):
+                        taps = list(torch.split(t["taps"], t["lengths"].tolist()))
+                if taps is not None or not with_taps:
+                    return obj["responses"], taps
+        except (OSError, ValueError, KeyError, RuntimeError):
             pass
-    res = make()
-    atomic_write_text(cache, json.dumps({"key": k, "responses": res}))
-    return res
+    res, taps = make(with_taps)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if taps is not None:
+        tmp = tf.with_suffix(".tmp")
+        save_file({"taps": torch.cat(taps), "lengths": torch.tensor([t.shape[0] for t in taps], dtype=torch.long),
+                   "key": torch.tensor(list(bytes.fromhex(k)), dtype=torch.uint8)}, str(tmp))
+        tmp.replace(tf)
+    atomic_write_text(rj, json.dumps({"key": k, "responses": res}))
+    return res, taps
 
 
 class SeqSampler:
@@ -356,16 +373,21 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
            "T": cfg.gen_temperature, "seed": cfg.seed, "val": cfg.val_prompts}
     all_p = train_p + val_p
 
-    def make():
+    # taps: kept (captured while generating) when they fit in cache_taps_mb, else recomputed per batch
+    kd = dconf.num_taps * dconf.hidden_size
+    est_tokens = sum(len(p) for p in all_p) + len(all_p) * cfg.max_new_tokens
+    cache = est_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
+
+    def make(with_taps):
         cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target")
         bar = _token_bar(progress, len(all_p) * cfg.max_new_tokens, "responses")
         res = generate(target, all_p, cfg.max_new_tokens, cfg.gen_batch, cfg.gen_temperature, cfg.seed, device,
-                       progress=(lambda n: bar.update(n)) if bar else None)
+                       progress=(lambda n: bar.update(n)) if bar else None, return_taps=with_taps)
         if bar:
             bar.close()
-        return res
+        return res if with_taps else (res, None)
 
-    responses = cached_responses(out / "train_data" / "responses.json", key, make)
+    responses, taps_all = cached_responses(out / "train_data", key, make, cache)
     gen_s = time.perf_counter() - t0
     seqs = [p + r for p, r in zip(all_p, responses, strict=True)]
     plens = [len(p) for p in all_p]
@@ -374,13 +396,9 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     va_idx = [i for i in keep if i >= len(train_p)]
     if not tr_idx:
         raise RetraceError(f"{data}: no usable training sequences (responses shorter than 2 tokens)")
-
-    # taps: cached when they fit
-    kd = dconf.num_taps * dconf.hidden_size
-    total_tokens = sum(len(s) for s in seqs)
-    cache = total_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
     t0 = time.perf_counter()
-    taps_all = compute_taps(target, seqs, cfg.gen_batch, device) if cache else None
+    if cache and taps_all is None:
+        taps_all = compute_taps(target, seqs, cfg.gen_batch, device)
     taps_s = time.perf_counter() - t0
 
     def subset(ix):

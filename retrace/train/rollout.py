@@ -194,15 +194,65 @@ def run_requests(backend, prompts: list[list[int]], mode: str, max_new_tokens: i
     return outs, sched
 
 
+class TapRecorder:
+    """Wraps a backend in `ar` mode; keeps the target taps of every fed token per request (prefill rows
+    trimmed to the prompt), so generating the responses also yields the drafter's training context."""
+
+    def __init__(self, inner, dtype=torch.float16):
+        self.inner = inner
+        self.sched: Scheduler | None = None
+        self.dtype = dtype
+        self.parts: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def target(self, slots, input_ids, positions, logits_index):
+        logits, taps = self.inner.target(slots, input_ids, positions, logits_index)
+        for i, s in enumerate(slots.tolist()):
+            req = self.sched.running.get(s)
+            if req is None:
+                continue
+            p0 = int(positions[i, 0])
+            n = len(req.prompt_ids) if p0 == 0 else input_ids.shape[1]
+            self.parts.setdefault(req.rid, []).append((p0, taps[i, :n].to(self.dtype).clone()))
+        return logits, taps
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+    def taps_of(self, rid: int) -> torch.Tensor:
+        parts = sorted(self.parts.get(rid, []), key=lambda x: x[0])
+        pos = 0
+        for p0, t in parts:
+            if p0 != pos:
+                raise RuntimeError(f"taps of request {rid} are not contiguous at position {pos}")
+            pos += t.shape[0]
+        return torch.cat([t for _, t in parts])
+
+
 def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int, max_batch: int = 32,
-             temperature: float = 0.0, seed: int = 0, device="cpu", progress=None) -> list[list[int]]:
-    """The target's own continuations (autoregressive, batched; greedy at temperature 0)."""
+             temperature: float = 0.0, seed: int = 0, device="cpu", progress=None, return_taps: bool = False):
+    """The target's own continuations (autoregressive, batched; greedy at temperature 0). With return_taps,
+    also the target taps [len(prompt) + len(output) - 1, k*d] (fp16, CPU) of each sequence (every token but
+    the last was fed to the target): (outputs, taps)."""
     if not prompts:
-        return []
+        return ([], []) if return_taps else []
     max_len = max(len(p) for p in prompts) + max_new_tokens + 2
     be = make_backend(target, None, min(max_batch, len(prompts)), max_len, device)
-    outs, _ = run_requests(be, prompts, "ar", max_new_tokens, temperature, seed, progress=progress)
-    return [o.output_ids for o in outs]
+    if not return_taps:
+        outs, _ = run_requests(be, prompts, "ar", max_new_tokens, temperature, seed, progress=progress)
+        return [o.output_ids for o in outs]
+    rec = TapRecorder(be)
+    sched = Scheduler(rec, None, None)
+    rec.sched = sched
+    reqs = [sched.add(list(p), SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i),
+                      "ar") for i, p in enumerate(prompts)]
+    while sched.has_work:
+        events = sched.step()
+        if progress is not None:
+            progress(sum(len(e.token_ids) for e in events))
+    return [list(r.output_ids) for r in reqs], [rec.taps_of(r.rid) for r in reqs]
 
 
 def rollout(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
