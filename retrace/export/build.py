@@ -41,6 +41,7 @@ from retrace.errors import MissingDependencyError, RetraceError
 BACKEND_HOOKS: dict[str, str | None] = {
     "onnxruntime": None,
     "tensorrt": "retrace.export.build:tensorrt_hook",
+    "tensorrt-llm": "retrace.export.build:tensorrt_llm_hook",
 }
 DTYPES = ("float32", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -222,7 +223,7 @@ def _versions() -> dict:
     return out
 
 
-def _resolve_hook(backend: str):
+def _resolve_hook(backend: str, opts: BuildOptions | None = None):
     if backend not in BACKEND_HOOKS:
         raise BuildError(f"unknown backend {backend!r} (choose from {', '.join(BACKEND_HOOKS)})")
     spec = BACKEND_HOOKS[backend]
@@ -235,7 +236,7 @@ def _resolve_hook(backend: str):
         raise MissingDependencyError(f"backend {backend!r} is not available in this installation ({e})") from None
     precheck = getattr(hook, "precheck", None)
     if precheck is not None:  # fail before the (long) ONNX stages, e.g. when TensorRT is not installed
-        precheck()
+        precheck(opts)
     return hook
 
 
@@ -282,7 +283,7 @@ def build_bundle(opts: BuildOptions, reporter: Reporter | None = None) -> BuildR
     reporter = reporter or Reporter(quiet=True)
     t_start = time.perf_counter()
     out = Path(os.path.abspath(opts.out))
-    hook = _resolve_hook(opts.backend)
+    hook = _resolve_hook(opts.backend, opts)
     with reporter.stage("check inputs"):
         tcfg, dcfg = _validate(opts)
         _check_output(out, opts.force)
@@ -399,13 +400,36 @@ def tensorrt_hook(ctx: BuildContext) -> None:
                                             for k, p in written.items()}}
 
 
-def _tensorrt_precheck() -> None:
+def _tensorrt_precheck(opts: BuildOptions | None = None) -> None:
     from retrace.plugins.errors import require_tensorrt
 
     require_tensorrt("Building TensorRT engines (retrace-export build --backend tensorrt)")
 
 
 tensorrt_hook.precheck = _tensorrt_precheck
+
+
+def tensorrt_llm_hook(ctx: BuildContext) -> None:
+    """--backend tensorrt-llm: a TensorRT-LLM (>= 1.3, PyTorch backend) DFlash deployment in
+    BUNDLE/tensorrt_llm/ (copies of the target and drafter dirs, LLM-API options, serve.sh, run_llm.py).
+    TensorRT-LLM serves DFlash mode; ReTrace conditioning runs in retrace's own runtime."""
+    from retrace.export.tensorrt_llm import write_trtllm_deployment
+
+    o = ctx.options
+    with ctx.stage("write TensorRT-LLM deployment"):
+        info = write_trtllm_deployment(o.target, o.drafter, ctx.staging / "tensorrt_llm", link="copy",
+                                       max_draft_len=ctx.manifest["limits"]["block_size"] - 1,
+                                       max_batch_size=o.max_batch, max_seq_len=ctx.manifest["limits"]["max_seq_len"],
+                                       **o.backend_options)
+    ctx.manifest["engines"] = {"tensorrt-llm": {"dir": "tensorrt_llm", "notes": info.get("notes", [])}}
+
+
+def _tensorrt_llm_precheck(opts: BuildOptions | None = None) -> None:
+    if opts is not None and opts.drafter is None:
+        raise BuildError("--backend tensorrt-llm needs --drafter (its DFlash speculative decoding)")
+
+
+tensorrt_llm_hook.precheck = _tensorrt_llm_precheck
 
 
 def _parity_note(p: dict) -> str:

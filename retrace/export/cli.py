@@ -75,11 +75,13 @@ def _backends() -> list[str]:
               help="parity tolerance on logits (default 1e-4 float32, 3e-2 float16; scaled by max(1, max|logit|))")
 @click.option("--conditioner/--no-conditioner", default=True, show_default=True,
               help="include the drafter directory's ReTrace conditioner (--no-conditioner: a DFlash-only bundle)")
-@click.option("--force", is_flag=True, help="replace an existing bundle at --out")
+@click.option("--force", is_flag=True, help="replace an existing bundle at --out (and --triton-repo)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output (the summary is still printed)")
+@click.option("--triton-repo", type=click.Path(path_type=Path), default=None,
+              help="also write a Triton Inference Server model repository for the bundle here")
 @cli_errors
 def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_size, attention, tolerance,
-          conditioner, force, quiet) -> None:
+          conditioner, force, quiet, triton_repo) -> None:
     """Export, check and package a target (+ drafter) as an engine bundle.
 
     The bundle is built in a temp directory beside --out and renamed into place only when every check
@@ -97,6 +99,42 @@ def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_si
                       f"[dim]({backend}, {dtype})[/dim]")
     result = build_bundle(opts, Reporter(console, quiet=quiet))
     _summary(result.out, result.manifest, result.seconds)
+    if triton_repo is not None:
+        _write_triton(result.out, triton_repo, "retrace", 1, max_batch, force)
+
+
+def _write_triton(bundle: Path, out: Path, model_name: str, instances: int, max_batch: int, force: bool,
+                  env: Path | None = None, no_env: bool = False) -> None:
+    from retrace.export.triton.env import ensure_triton_env
+    from retrace.export.triton.repository import write_repository
+
+    env_path = env
+    if env_path is None and not no_env:
+        click.echo("preparing the python-backend environment (numpy<2; built once, cached) ...", err=True)
+        env_path = ensure_triton_env().model_env
+    repo = write_repository(bundle, out, model_name=model_name, instances=instances, max_batch=max_batch,
+                            env_path=env_path, force=force)
+    click.echo(f"wrote Triton model repository {repo} (model {model_name!r}, env: {env_path or 'server Python'})")
+    click.echo(f"serve it: python -m retrace.export.triton serve {repo} --model {model_name}")
+
+
+@main.command()
+@click.option("--engine", "engine", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="engine bundle from retrace-export build")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="model repository to create")
+@click.option("--model-name", default="retrace", show_default=True)
+@click.option("--instances", type=int, default=1, show_default=True, help="model instances (each runs a runtime)")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="requests batched together per instance")
+@click.option("--env", type=click.Path(path_type=Path), default=None,
+              help="python-backend execution environment (default: build/reuse the cached numpy<2 env)")
+@click.option("--no-env", is_flag=True, help="run the model in the server's own Python (e.g. NVIDIA's container)")
+@click.option("--force", is_flag=True, help="replace an existing repository at --out")
+@cli_errors
+def triton(engine, out, model_name, instances, max_batch, env, no_env, force) -> None:
+    """Write a Triton Inference Server model repository (python backend, decoupled/streaming) for a bundle.
+
+    Written atomically; the bundle is copied in. Concurrent requests are batched by retrace's runtime."""
+    _write_triton(engine, out, model_name, instances, max_batch, force, env, no_env)
 
 
 def _size(n: int) -> str:

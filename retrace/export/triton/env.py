@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from retrace.errors import RetraceError
+
 PYTRITON_VERSION = "0.7.0"
 MARKER = ".retrace-complete"
 
@@ -54,7 +56,7 @@ MODEL_ENV_REQUIREMENTS: tuple[str, ...] = (
 )
 
 
-class TritonEnvError(RuntimeError):
+class TritonEnvError(RetraceError, RuntimeError):
     """The Triton server or its model environment could not be set up; the message says why."""
 
 

@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import retrace
+from retrace.errors import RetraceError
 from retrace.export.triton.validation import INPUTS, OUTPUTS
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TEMPLATE = Path(__file__).with_name("model.py")
 
 
-class RepositoryError(ValueError):
+class RepositoryError(RetraceError, ValueError):
     """The repository cannot be written as asked; the message says why."""
 
 
