@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -217,9 +219,14 @@ def test_prompt_only_rebuild_keeps_weights(built, tmp_path):
     del legacy["target_version"]
     (out / "target" / MANIFEST_NAME).write_text(json.dumps({"key": legacy, "metrics": man["metrics"]}))
     (out / "prompts" / "code.jsonl").write_text("")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = out / f".zoo-target-tmp-{dead.pid}-deadbeef"
+    (stale / "target").mkdir(parents=True)
     assert cached_metrics(out, size="test", seed=0) is None
     again = build_target_stage(out, size="test", seed=0, progress=False)
     assert again["prompts_rebuilt"] is True and again["cached"] is False
     assert _sha(out / "target" / "model.safetensors") == m["weights_sha256"]
     assert (out / "prompts" / "code.jsonl").read_bytes() == (src / "prompts" / "code.jsonl").read_bytes()
     assert build_target_stage(out, size="test", seed=0, progress=False)["cached"] is True
+    assert not stale.exists()  # left by a dead build: removed

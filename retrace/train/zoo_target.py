@@ -183,6 +183,7 @@ def build_target_stage(
         )
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(out_dir)
     staging = out_dir / f".zoo-target-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
@@ -196,6 +197,23 @@ def build_target_stage(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dict(metrics, cached=False)
+
+
+def _remove_stale_staging(out_dir: Path) -> None:
+    """Delete temporary build dirs left by builds whose process is gone (killed, crashed)."""
+    for p in out_dir.glob(".zoo-target-tmp-*"):
+        try:
+            pid = int(p.name.split("-")[3])
+        except (IndexError, ValueError):
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _install(staging: Path, out_dir: Path) -> None:
