@@ -219,7 +219,7 @@ def cached_responses(cache_dir: Path, key: dict, make, with_taps: bool):
     """Responses (and their target taps) are expensive on CPU: keep them beside the run, keyed by what
     produced them (`responses.json`; taps concatenated in `taps.safetensors`). make(with_taps) ->
     (responses, taps or None). Returns (responses, taps or None)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     k = _sha(key)
     rj, tf = cache_dir / "responses.json", cache_dir / "taps.safetensors"
@@ -232,19 +232,26 @@ def cached_responses(cache_dir: Path, key: dict, make, with_taps: bool):
                     t = load_file(str(tf))
                     if t["key"].tolist() == list(bytes.fromhex(k)):
                         taps = list(torch.split(t["taps"], t["lengths"].tolist()))
-                if taps is not None or not with_taps:
-                    return obj["responses"], taps
+                return obj["responses"], taps  # taps None: the caller recomputes them (cheaper than generating)
         except (OSError, ValueError, KeyError, RuntimeError):
             pass
     res, taps = make(with_taps)
     cache_dir.mkdir(parents=True, exist_ok=True)
     if taps is not None:
-        tmp = tf.with_suffix(".tmp")
-        save_file({"taps": torch.cat(taps), "lengths": torch.tensor([t.shape[0] for t in taps], dtype=torch.long),
-                   "key": torch.tensor(list(bytes.fromhex(k)), dtype=torch.uint8)}, str(tmp))
-        tmp.replace(tf)
+        save_taps_cache(cache_dir, key, taps)
     atomic_write_text(rj, json.dumps({"key": k, "responses": res}))
     return res, taps
+
+
+def save_taps_cache(cache_dir: Path, key: dict, taps: list[torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tf = cache_dir / "taps.safetensors"
+    tmp = tf.with_suffix(".tmp")
+    save_file({"taps": torch.cat([t.to(torch.float16) for t in taps]),
+               "lengths": torch.tensor([t.shape[0] for t in taps], dtype=torch.long),
+               "key": torch.tensor(list(bytes.fromhex(_sha(key))), dtype=torch.uint8)}, str(tmp))
+    tmp.replace(tf)
 
 
 class SeqSampler:
@@ -399,6 +406,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     t0 = time.perf_counter()
     if cache and taps_all is None:
         taps_all = compute_taps(target, seqs, cfg.gen_batch, device)
+        save_taps_cache(out / "train_data", key, taps_all)
     taps_s = time.perf_counter() - t0
 
     def subset(ix):
