@@ -379,34 +379,37 @@ def test_real_runtime_torch_backend_through_triton(tmp_path, triton_env, standin
         assert status == 400 and "max_tokens" in out["error"]
 
 
-@pytest.mark.slow
 def test_real_onnxruntime_bundle_through_triton(tmp_path, triton_env):
-    """The production path (no factory: Runtime.from_bundle(..., backend="onnxruntime")) on a built bundle.
+    """The production path (no factory: Runtime.from_bundle(..., backend="onnxruntime")) on a real bundle:
+    32 concurrent clients over HTTP generate, in all three modes, each get exactly the offline greedy output
+    of `retrace generate --engine`, and the runtime batches them (batch > 1).
 
-    Opt-in: set RETRACE_TRITON_TEST_BUNDLE to an engine bundle (e.g. the one `make demo` builds); building
-    one here would take minutes."""
+    Uses the test session's bundle (tests/export_fixtures.py); RETRACE_TRITON_TEST_BUNDLE=<bundle> serves
+    another one (e.g. the one `make demo` builds)."""
     import os
 
-    bundle = os.environ.get("RETRACE_TRITON_TEST_BUNDLE")
-    if not bundle:
-        pytest.skip("set RETRACE_TRITON_TEST_BUNDLE=<engine bundle dir> to serve a real bundle")
+    from export_fixtures import pair_and_bundle
+
     from retrace.export.triton.repository import write_repository
     from retrace.runtime import Runtime, SamplingParams
 
+    bundle = os.environ.get("RETRACE_TRITON_TEST_BUNDLE") or str(pair_and_bundle().bundle)
     rt = Runtime.from_bundle(bundle, backend="onnxruntime", max_batch=4)
-    has_text = rt.codec is not None
+    has_text = bool(os.environ.get("RETRACE_TRITON_TEST_BUNDLE")) and rt.codec is not None
     prompts = ["def parse_args(argv):", "import os\n", "class Foo:", "for i in range("] if has_text else [
         [1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     want = rt.generate(prompts, SamplingParams(max_new_tokens=16), mode="ar")
-    repo = write_repository(bundle, tmp_path / "repo", model_name=MODEL, max_batch=4, env_path=triton_env.model_env)
+    limit = rt.backend.max_batch
+    repo = write_repository(bundle, tmp_path / "repo", model_name=MODEL, max_batch=limit, env_path=triton_env.model_env)
     with TritonServer(repo, triton_env, log_path=tmp_path / "server.log", models=[MODEL]) as srv:
         def one(i):
             key = "text_input" if has_text else "input_ids"
             body = {key: prompts[i % 4], "max_tokens": 16, "mode": ["retrace", "dflash", "ar"][i % 3]}
             return generate(srv, body, timeout=300)
 
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            outs = list(pool.map(one, range(8)))
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            outs = list(pool.map(one, range(32)))
+    batches = []
     for i, (status, out) in enumerate(outs):
         assert status == 200, out
         assert as_list(out["output_ids"]) == want[i % 4].token_ids  # greedy: lossless in every mode
@@ -414,3 +417,7 @@ def test_real_onnxruntime_bundle_through_triton(tmp_path, triton_env):
             assert out["text_output"] == want[i % 4].text
         st = stats_of(out)
         assert st["rounds"] >= 1 and st["max_batch_seen"] >= 1
+        batches.append(st["max_batch_seen"])
+    print(f"runtime batch sizes seen by the 32 clients: max {max(batches)}, histogram "
+          f"{ {b: batches.count(b) for b in sorted(set(batches))} }")
+    assert max(batches) > 1, "concurrent requests were not batched together"

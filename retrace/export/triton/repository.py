@@ -105,6 +105,13 @@ def write_repository(
         raise RepositoryError(f"model name {model_name!r} must match {_NAME_RE.pattern}")
     if instances < 1 or max_batch < 1:
         raise RepositoryError(f"instances ({instances}) and max_batch ({max_batch}) must be >= 1")
+    try:
+        limit = json.loads((bundle / "manifest.json").read_text()).get("limits", {}).get("max_batch")
+    except (OSError, ValueError) as e:
+        raise RepositoryError(f"{bundle / 'manifest.json'}: cannot read the bundle manifest ({e})") from None
+    if limit is not None and max_batch > int(limit):
+        raise RepositoryError(f"max_batch {max_batch} exceeds the bundle's limit {limit} (its preallocated "
+                              f"caches); rebuild it with retrace-export build --max-batch {max_batch}")
     if max_tokens < 0:
         raise RepositoryError(f"max_tokens must be >= 0 (0: the bundle's limit), got {max_tokens}")
     modes = [m.strip() for m in modes if m.strip()]
