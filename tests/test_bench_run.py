@@ -140,6 +140,11 @@ def test_ratios_are_tokens_per_s_over_the_peer_at_the_same_batch(run):
             want = ok[(x["system"], x["batch_size"])]["tokens_per_s"] / peer["tokens_per_s"]
             assert x["ratio"] == pytest.approx(want)
     assert any(x["peer"] == "hf-dflash" and x["batch_size"] == 2 and x["ratio"] is None for x in r["ratios"])
+    # the per-round analysis uses the same ratio, against the fastest AR peer present
+    for a in r["analysis"]:
+        want = ok[(a["system"], a["batch_size"])]["tokens_per_s"] / ok[(a["peer"], a["batch_size"])]["tokens_per_s"]
+        assert a["ratio"] == pytest.approx(want)
+        assert a["round_ms"] >= a["verify_ms"] + a["draft_ms"] - 1e-9
 
 
 def test_fidelity_line_compares_dflash_with_transformers(run):

@@ -65,6 +65,23 @@ def goal_lines(results: dict) -> list[str]:
     return out
 
 
+def analysis_lines(results: dict, batch_sizes: tuple[int, ...] = (1,)) -> list[str]:
+    out = []
+    for a in results.get("analysis") or []:
+        if a["batch_size"] not in batch_sizes or a["verify_ms"] is None:
+            continue
+        out.append(
+            f"{a['system']} b={a['batch_size']}: a round takes {a['round_ms']:.2f} ms (verify {a['verify_ms']:.2f}, "
+            f"draft {a['draft_ms']:.2f}, outside the forwards {a['outside_forward_ms_per_round']:.2f}) for tau "
+            f"{a['tau']:.2f} tokens per row; {a['peer']} takes {a['peer_ms_per_step']:.2f} ms per step of "
+            f"{a['batch_size']} token(s), so one verify costs {a['verify_over_peer_step']:.1f} of its steps; ratio "
+            f"{a['ratio']:.2f}x, "
+            f"{a['ratio_bound_zero_overhead']:.2f}x with zero loop overhead; {a['goal']:.1f}x needs tau "
+            f"{a['tau_needed_for_goal']:.1f} at this round cost or a round of {a['round_ms_needed_for_goal']:.2f} ms "
+            "at this tau")
+    return out
+
+
 def machine_line(results: dict) -> str:
     m = results["machine"]
     v = m["versions"]
@@ -102,6 +119,8 @@ def print_results(results: dict, console=None) -> None:
         console.print(f"agreement with {a['reference']}: {a['total_mismatched_prompts']} mismatched prompt outputs "
                       f"over {a['checked']} system/batch results; exact length everywhere: {a['all_exact_length']}")
     for line in goal_lines(results):
+        console.print(line)
+    for line in analysis_lines(results):
         console.print(line)
     prof = results.get("profile")
     if prof:

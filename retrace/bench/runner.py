@@ -99,6 +99,7 @@ def machine_info(threads: int) -> dict:
         "versions": {m: _version(m) for m in ("retrace", "torch", "transformers", "onnxruntime",
                                               "onnxruntime-genai", "numpy", "tokenizers")},
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
     }
 
 
@@ -380,6 +381,8 @@ def _time_split(rs: list[RunOut]) -> dict | None:
         mean[f"{k}_share"] = mean[f"{k}_s"] / w
     mean["forward_share"] = mean["forward_s"] / w
     mean["outside_forward_share"] = mean["outside_forward_s"] / w
+    mean["target_ms_per_call"] = 1000 * mean["target_forward_s"] / mean["target_calls"] if mean["target_calls"] else None
+    mean["draft_ms_per_call"] = 1000 * mean["draft_forward_s"] / mean["draft_calls"] if mean["draft_calls"] else None
     return mean
 
 
@@ -453,6 +456,7 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
     results["fidelity"] = fidelity(runs, N) if ("hf-dflash", 1) in runs and ("retrace-torch-dflash", 1) in runs else None
     results["per_domain"] = per_domain(runs, prompts)
     results["goals"] = goals(systems, results["ratios"])
+    results["analysis"] = round_analysis(systems, len(prompts))
     results["per_prompt"] = [{"source": p.source, "domain": p.domain, "prompt_tokens": len(p.ids)} for p in prompts]
     return results
 
@@ -554,6 +558,41 @@ def per_domain(runs: dict, prompts: list[BenchPrompt]) -> dict:
             d_out[d] = {"tau_pooled": pooled, "tau_prompt_mean": statistics.fmean(per) if per else None,
                         "rounds": rounds, "prompts": len(acc)}
         out[name] = d_out
+    return out
+
+
+def round_analysis(systems: list[dict], n_prompts: int) -> list[dict]:
+    """Where a round's time goes, per drafting system, against the fastest autoregressive peer at the same
+    batch size. With r = our tokens/s over the peer's, t_round the wall time of one (batched) verify round
+    and t_fwd its time inside the two forwards: r with zero loop overhead would be r x t_round / t_fwd, and
+    the goal needs tau x goal / r at this round cost, or a round of t_round x r / goal at this tau."""
+    ok = {(s["name"], s["batch_size"]): s for s in systems if s["status"] == "ok"}
+    out = []
+    for (name, b), s in ok.items():
+        ts = s.get("time_split")
+        if s["family"] != "retrace" or s["mode"] == "ar" or not ts or not s.get("tau"):
+            continue
+        peer = ok.get(("ortgenai-ar", b)) or ok.get(("hf-ar", b))
+        if peer is None:
+            continue
+        rounds = ts["target_calls"] - -(-n_prompts // b)  # verify calls = target calls - one prefill per chunk
+        if rounds <= 0:
+            continue
+        t_round = 1000 * ts["wall_s"] / rounds
+        t_fwd = 1000 * (ts["target_forward_s"] + ts["draft_forward_s"]) / rounds
+        r = s["tokens_per_s"] / peer["tokens_per_s"]
+        goal = GOALS["vs_ortgenai_ar"] if peer["name"] == "ortgenai-ar" else 1.0
+        t_peer = 1000 * b / peer["tokens_per_s"]  # ms per peer step of b tokens
+        out.append({
+            "system": name, "batch_size": b, "peer": peer["name"], "tau": s["tau"], "ratio": r,
+            "peer_ms_per_step": t_peer, "round_ms": t_round, "rounds": rounds,
+            "verify_ms": ts.get("target_ms_per_call"), "draft_ms": ts.get("draft_ms_per_call"),
+            "outside_forward_ms_per_round": t_round - t_fwd,
+            "verify_over_peer_step": ts["target_ms_per_call"] / t_peer if ts.get("target_ms_per_call") else None,
+            "ratio_bound_zero_overhead": r * t_round / t_fwd if t_fwd else None,
+            "goal": goal, "tau_needed_for_goal": s["tau"] * goal / r,
+            "round_ms_needed_for_goal": t_round * r / goal,
+        })
     return out
 
 
