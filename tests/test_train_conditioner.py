@@ -69,6 +69,7 @@ def test_rollout_records_match_the_runtime_alignment(pair, temperature):
             assert torch.allclose(cur.features, feats[old[0]] * v)
             # correction source = the previous verify's taps at slot j-1 (index k + a in the next call's context)
             assert torch.equal(cur.corr_taps[valid[0]], vprev["taps"][corr[0][valid[0]]])
+            assert torch.equal(cur.target_tokens[valid[0]], vprev["logits"].argmax(-1)[corr[0][valid[0]]])
             if temperature == 0:
                 assert torch.equal(vprev["block"][1:], prev.draft_logits.argmax(-1))
             checked += int(valid[0].any())

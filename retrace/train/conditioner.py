@@ -182,14 +182,17 @@ def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: i
     - over valid memory slots: how often d_j is right (mem_right), the fresh DFlash draft is right
       (fresh_right), d_j is right where the fresh draft is wrong (headroom), and what the conditioner did:
       fixed (fresh wrong -> retrace right) and broke (fresh right -> retrace wrong);
-    - P(d_j right | agree bit) for the two values of the agree feature, and the mean gate on valid slots.
+    - P(d_j right | agree bit) for the two values of the agree feature, and the mean gate on valid slots;
+    - the same for the target's own argmax at slot j-1 of the rejected verify pass (target_token_*: not an
+      input of the conditioner, measured to see where the information is).
     tau_est counts only blocks whose labels are all known (see blocks.block_loss)."""
     was = drafter.training
     drafter.eval()
     use = ex.usable()
     tot = {"r": {}, "d": {}}
     acc = {k: 0.0 for k in ("valid", "mem_right", "fresh_right", "headroom", "fixed", "broke", "agree1", "agree1_right",
-                            "agree0_right", "oracle_len", "dflash_len", "retrace_len", "full", "gate", "gate_w")}
+                            "agree0_right", "oracle_len", "dflash_len", "retrace_len", "full", "gate", "gate_w",
+                            "tt_right", "tt_headroom", "oracle_tt_len")}
     with torch.no_grad():
         for s in range(0, len(use), batch_size):
             idx = use[s : s + batch_size]
@@ -218,7 +221,17 @@ def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: i
             acc["agree0_right"] += float((vp & ~agree & mem_ok).sum())
             full = present.all(-1) & (bw > 0)
             oracle_ok = fresh_ok | (v & mem_ok)
-            for name, ok in (("oracle_len", oracle_ok), ("dflash_len", fresh_ok), ("retrace_len", ret_ok)):
+            tt = torch.zeros_like(labels)
+            for n, (i, pk) in enumerate(zip(idx, picks, strict=True)):
+                for b, k in enumerate(pk):
+                    rec = ex.rolls[i].rounds[k]
+                    if rec.target_tokens is not None:
+                        tt[n, b] = rec.target_tokens[1:].to(tt.device)
+            tt_ok = tt == labels
+            acc["tt_right"] += float((vp & tt_ok).sum())
+            acc["tt_headroom"] += float((vp & tt_ok & ~fresh_ok).sum())
+            for name, ok in (("oracle_len", oracle_ok), ("dflash_len", fresh_ok), ("retrace_len", ret_ok),
+                             ("oracle_tt_len", fresh_ok | (v & tt_ok))):
                 acc[name] += float(ok.long().cumprod(-1).sum(-1)[full].sum())
             acc["full"] += float(full.sum())
             x = drafter.target.embed(block_ids).float()
@@ -232,11 +245,13 @@ def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: i
     return {
         "retrace": bl.summarize(tot["r"]), "dflash": bl.summarize(tot["d"]),
         "tau_est": {"dflash": round(1 + acc["dflash_len"] / f, 4), "retrace": round(1 + acc["retrace_len"] / f, 4),
-                    "oracle": round(1 + acc["oracle_len"] / f, 4)},
+                    "oracle": round(1 + acc["oracle_len"] / f, 4),
+                    "oracle_target_token": round(1 + acc["oracle_tt_len"] / f, 4)},
         "valid_slots": int(acc["valid"]),
         "mem_right": round(acc["mem_right"] / n, 4), "fresh_right": round(acc["fresh_right"] / n, 4),
         "headroom": round(acc["headroom"] / n, 4), "fixed": round(acc["fixed"] / n, 4),
         "broke": round(acc["broke"] / n, 4),
+        "target_token_right": round(acc["tt_right"] / n, 4), "target_token_headroom": round(acc["tt_headroom"] / n, 4),
         "p_right_given_agree": round(acc["agree1_right"] / max(acc["agree1"], 1.0), 4),
         "p_right_given_disagree": round(acc["agree0_right"] / max(agree0, 1.0), 4),
         "agree_rate": round(acc["agree1"] / n, 4),

@@ -97,6 +97,7 @@ class RoundRecord:
     corr_index: torch.Tensor | None = None  # [B] (kept for checks)
     draft_logits: torch.Tensor | None = None  # [B-1, V] what the drafter returned (kept for checks)
     hidden: torch.Tensor | None = None  # [B, d]
+    target_tokens: torch.Tensor | None = None  # [B] the previous verify's argmax at slot j-1 (diagnosis only)
 
 
 @dataclass
@@ -125,17 +126,21 @@ class RecordingBackend:
         self.records: dict[int, Rollout] = {}  # rid -> rollout
         self.keep_debug = keep_debug
         self.keep_empty = keep_empty
-        self._last_block: dict[int, tuple[int, int]] = {}  # slot -> (rid, anchor_pos) of the last draft
+        self._last_verify: dict[int, torch.Tensor] = {}  # rid -> argmax tokens of its last verify pass [B]
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def target(self, slots, input_ids, positions, logits_index):
         logits, taps = self.inner.target(slots, input_ids, positions, logits_index)
-        if self.keep_debug and self.sched is not None and input_ids.shape[1] > 1 and logits.shape[1] == input_ids.shape[1]:
+        if self.sched is not None and input_ids.shape[1] > 1 and logits.shape[1] == input_ids.shape[1]:
+            post = logits.argmax(-1)
             for i, s in enumerate(slots.tolist()):
                 req = self.sched.running.get(s)
-                if req is not None and req.rid in self.records and int(positions[i, 0]) == req.anchor_pos:
+                if req is None or req.rid not in self.records or int(positions[i, 0]) != req.anchor_pos:
+                    continue  # not a verify pass (prefill)
+                self._last_verify[req.rid] = post[i].clone()
+                if self.keep_debug:
                     self.records[req.rid].verify.append({
                         "anchor_pos": int(positions[i, 0]), "block": input_ids[i].clone(),
                         "logits": logits[i].clone(), "taps": taps[i].clone()})
@@ -158,7 +163,9 @@ class RecordingBackend:
                     valid=suffix.valid[i].clone(), corr_taps=corr[i].clone(),
                     corr_index=suffix.corr_index[i].clone() if self.keep_debug else None,
                     draft_logits=logits[i].clone() if self.keep_debug else None,
-                    hidden=hidden[i].clone() if self.keep_debug else None))
+                    hidden=hidden[i].clone() if self.keep_debug else None,
+                    target_tokens=(self._last_verify[req.rid][suffix.corr_index[i]] if req.rid in self._last_verify
+                                   else torch.zeros(suffix.corr_index.shape[1], dtype=torch.long))))
         return hidden, logits
 
     def release(self, slot: int) -> None:
