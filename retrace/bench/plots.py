@@ -68,8 +68,10 @@ def _domains(ax, results: dict) -> None:
         return
     by = {s["name"]: s for s in results["systems"] if s["batch_size"] == 1}
     width = 0.8 / len(names)
+    top = 0.0
     for k, n in enumerate(names):
         vals = [pd[n].get(d, {}).get("tau_pooled") or 0.0 for d in domains]
+        top = max([top, *vals])
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(domains))]
         s = by.get(n, {"name": n, "family": "peer", "mode": None, "backend": None})
         ax.bar(xs, vals, width=width, color=_color(s), hatch="//" if s.get("backend") == "onnxruntime" else None,
@@ -77,7 +79,8 @@ def _domains(ax, results: dict) -> None:
     ax.set_xticks(range(len(domains)), domains)
     ax.set_ylabel("tau (tokens per round, pooled)")
     ax.set_title("tau per prompt domain, batch 1")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, top * 1.4 or 1.0)  # room for the legend above the bars
+    ax.legend(fontsize=7, loc="upper center", ncol=3)
 
 
 def plot_results(results: dict, out: str | Path) -> dict:
