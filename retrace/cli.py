@@ -55,9 +55,6 @@ def init_conditioner(drafter_dir: str, init: str, seed: int, force: bool) -> Non
 
 
 def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
-    import json
-    from pathlib import Path
-
     given = [x is not None for x in (prompt, prompt_ids, prompts_file)]
     if sum(given) != 1:
         raise RetraceError("give exactly one of --prompt, --prompt-ids, --prompts-file")
@@ -68,26 +65,10 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
             return [[int(t) for t in prompt_ids.split(",") if t.strip()]]
         except ValueError:
             raise RetraceError(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}") from None
-    path = Path(prompts_file)
-    if not path.is_file():
-        raise RetraceError(f"{path}: prompts file not found")
-    out: list[str | list[int]] = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RetraceError(f"{path}:{n}: not valid JSON ({e})") from None
-        if isinstance(obj, dict) and "prompt_ids" in obj:
-            out.append([int(t) for t in obj["prompt_ids"]])
-        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            out.append(obj["prompt"])
-        else:
-            raise RetraceError(f"{path}:{n}: each line needs a 'prompt' string or 'prompt_ids' list")
-    if not out:
-        raise RetraceError(f"{path}: no prompts")
-    return out
+    from retrace.runtime.prompts import read_prompts_jsonl
+
+    return [[int(t) for t in o["prompt_ids"]] if "prompt_ids" in o else o["prompt"]
+            for o in read_prompts_jsonl(prompts_file)]
 
 
 def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,

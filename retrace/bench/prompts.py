@@ -6,11 +6,11 @@ own tokenizer or chat template can change what is measured.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from retrace.errors import RetraceError
+from retrace.runtime.prompts import read_prompts_jsonl
 
 
 @dataclass
@@ -39,30 +39,17 @@ def _files(paths: list[str | Path]) -> list[Path]:
 
 def _read(path: Path, codec) -> list[BenchPrompt]:
     rows: list[BenchPrompt] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RetraceError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise RetraceError(f"{path}:{n}: each line must be a JSON object")
+    for n, obj in enumerate(read_prompts_jsonl(path), 1):
         domain = str(obj.get("domain") or path.stem)
         if "prompt_ids" in obj:
-            try:
-                ids = [int(t) for t in obj["prompt_ids"]]
-            except (TypeError, ValueError):
-                raise RetraceError(f"{path}:{n}: prompt_ids must be a list of integers") from None
-        elif isinstance(obj.get("prompt"), str):
+            ids = list(obj["prompt_ids"])
+        else:
             if codec is None:
-                raise RetraceError(f"{path}:{n}: text prompt but the target has no tokenizer.json "
+                raise RetraceError(f"{path}: prompt {n} is text but the target has no tokenizer.json "
                                    "(give 'prompt_ids' instead)")
             ids = codec.encode(obj["prompt"])
-        else:
-            raise RetraceError(f"{path}:{n}: each line needs a 'prompt' string or 'prompt_ids' list")
         if not ids:
-            raise RetraceError(f"{path}:{n}: empty prompt")
+            raise RetraceError(f"{path}: prompt {n} is empty")
         rows.append(BenchPrompt(ids, domain, f"{path.name}:{n}"))
     return rows
 

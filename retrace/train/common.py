@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from retrace.errors import RetraceError
+from retrace.runtime.prompts import read_prompts_jsonl  # noqa: F401  (re-exported)
 
 STATE_DIR = "train_state"
 STATE_VERSION = 1
@@ -189,27 +190,7 @@ def clear_train_state(out_dir: str | Path) -> None:
 
 
 # -- data ---------------------------------------------------------------------------------------------------
-def read_prompts_jsonl(path: str | Path) -> list[dict]:
-    """Lines {"prompt": str, ...} or {"prompt_ids": [...], ...}; blank lines skipped; errors name the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise RetraceError(f"{p}: prompts file not found")
-    rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RetraceError(f"{p}:{n}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "prompt_ids" in obj):
-            raise RetraceError(f"{p}:{n}: each line needs a 'prompt' string or 'prompt_ids' list")
-        rows.append(obj)
-    if not rows:
-        raise RetraceError(f"{p}: no prompts")
-    return rows
-
-
+# read_prompts_jsonl lives in retrace.runtime.prompts (one reader for the CLI, training and benchmarks)
 def encode_prompts(rows: list[dict], codec) -> list[list[int]]:
     out = []
     for r in rows:

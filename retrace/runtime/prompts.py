@@ -1,0 +1,33 @@
+"""Prompt files: JSONL, one {"prompt": str, ...} or {"prompt_ids": [int, ...], ...} object per line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from retrace.errors import RetraceError
+
+
+def read_prompts_jsonl(path: str | Path) -> list[dict]:
+    """The objects of a prompt file; blank lines skipped; every error names the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise RetraceError(f"{p}: prompts file not found")
+    rows = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RetraceError(f"{p}:{n}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "prompt_ids" in obj):
+            raise RetraceError(f"{p}:{n}: each line needs a 'prompt' string or 'prompt_ids' list")
+        if "prompt_ids" in obj:
+            ids = obj["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RetraceError(f"{p}:{n}: prompt_ids must be a list of integers")
+        rows.append(obj)
+    if not rows:
+        raise RetraceError(f"{p}: no prompts")
+    return rows
