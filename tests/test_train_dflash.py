@@ -110,3 +110,20 @@ def test_taps_captured_while_generating_equal_clean_taps(setup):
     for p, o, a, b in zip(ps, outs, taps, clean, strict=True):
         assert a.shape[0] == len(p) + len(o) - 1  # the last token is never fed
         assert (a.float() - b[:-1]).abs().max() < 1e-2  # fp16 storage
+
+
+def test_generation_in_worker_processes_matches(setup):
+    from retrace.models.target import Qwen3Target
+    from retrace.train import common as cm
+    from retrace.train.rollout import generate, generate_shard
+
+    target_dir, _ = setup
+    ps = [[5, 6, 7], [9, 10, 11, 12], [20], [30, 31]]
+    t = Qwen3Target.from_pretrained(target_dir, tap_layers=(1,))
+    outs, taps = generate(t, ps, 8, max_batch=4, return_taps=True)
+    parts = cm.parallel_map(generate_shard, [(str(target_dir), (1,), ps[r.start : r.stop], 8, 4, 0.0, r.start, True)
+                                             for r in cm.shards(len(ps), 2)], workers=2)
+    assert [o for p in parts for o in p[0]] == outs
+    for a, b in zip([x for p in parts for x in p[1]], taps, strict=True):
+        assert a.shape == b.shape and (a.float() - b.float()).abs().max() < 1e-2
+    assert [i for r in cm.shards(5, 2) for i in r] == list(range(5)) and len(cm.shards(5, 2)) == 2

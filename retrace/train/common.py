@@ -209,3 +209,33 @@ def split_validation(n: int, val_count: int, seed: int) -> tuple[list[int], list
     order = torch.randperm(n, generator=g).tolist()
     val_count = min(val_count, n // 4) if n >= 4 else 0
     return sorted(order[val_count:]), sorted(order[:val_count])
+
+
+# -- process parallelism (CPU) ----------------------------------------------------------------------------
+def _run_in_worker(fn, args, threads):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    torch.set_num_threads(threads)
+    return fn(*args)
+
+
+def parallel_map(fn, arg_list: list[tuple], workers: int, threads: int = 1) -> list:
+    """fn(*args) for each args, in `workers` spawned processes (`threads` torch threads each); in this process
+    when workers <= 1. The decode loops of tiny models are latency-bound: two one-thread processes on two
+    cores do ~2x the work of one two-thread process. fn must be importable (a module-level function)."""
+    if workers <= 1 or len(arg_list) <= 1:
+        return [fn(*a) for a in arg_list]
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    import torch.multiprocessing  # noqa: F401  (registers tensor pickling through shared memory)
+
+    with cf.ProcessPoolExecutor(max_workers=min(workers, len(arg_list)), mp_context=mp.get_context("spawn")) as ex:
+        futs = [ex.submit(_run_in_worker, fn, a, threads) for a in arg_list]
+        return [f.result() for f in futs]
+
+
+def shards(n: int, k: int) -> list[range]:
+    """k contiguous, near-equal ranges covering range(n) (empty ones dropped)."""
+    k = max(1, min(k, n))
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]

@@ -29,7 +29,7 @@ from retrace.models.target import Qwen3Target
 from retrace.runtime.tokenizer import TextCodec
 from retrace.train import blocks as bl
 from retrace.train import common as cm
-from retrace.train.rollout import generate, make_backend, run_requests
+from retrace.train.rollout import generate, generate_shard, make_backend, run_requests
 
 TAG = "train dflash"
 
@@ -50,6 +50,7 @@ class DFlashConfig:
     max_new_tokens: int = 128
     gen_batch: int = 64
     gen_temperature: float = 0.0
+    gen_workers: int = 1  # CPU: generate the responses in this many processes (one thread each)
     # optimisation
     steps: int = 2000
     batch_size: int = 8
@@ -386,7 +387,16 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     cache = est_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
 
     def make(with_taps):
-        cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target")
+        cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target"
+                              + (f" ({cfg.gen_workers} processes)" if cfg.gen_workers > 1 and device.type == "cpu" else ""))
+        if cfg.gen_workers > 1 and device.type == "cpu":
+            parts = cm.parallel_map(generate_shard, [
+                (str(target_dir), tuple(dconf.target_layer_ids), all_p[r.start : r.stop], cfg.max_new_tokens,
+                 cfg.gen_batch, cfg.gen_temperature, cfg.seed + r.start, with_taps)
+                for r in cm.shards(len(all_p), cfg.gen_workers)], cfg.gen_workers)
+            if with_taps:
+                return [o for p in parts for o in p[0]], [t for p in parts for t in p[1]]
+            return [o for p in parts for o in p], None
         bar = _token_bar(progress, len(all_p) * cfg.max_new_tokens, "responses")
         res = generate(target, all_p, cfg.max_new_tokens, cfg.gen_batch, cfg.gen_temperature, cfg.seed, device,
                        progress=(lambda n: bar.update(n)) if bar else None, return_taps=with_taps)
@@ -517,7 +527,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
 
 def _resume_key(cfg: DFlashConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("steps", "stop_after", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
+    for k in ("steps", "stop_after", "gen_workers", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
               "cache_taps_mb", "gen_batch"):
         d.pop(k, None)
     return d

@@ -272,3 +272,10 @@ def rollout(target: Qwen3Target, drafter: DFlashDrafter, prompts: list[list[int]
     outs, _ = run_requests(be, prompts, "retrace", max_new_tokens, temperature, seed, block_size=B, record=True,
                            keep_debug=keep_debug, keep_empty=keep_empty, progress=progress)
     return outs
+
+
+def generate_shard(target_dir: str, tap_layers: tuple[int, ...], prompts: list[list[int]], max_new_tokens: int,
+                   max_batch: int, temperature: float, seed: int, return_taps: bool):
+    """`generate` in a worker process (loads the target itself; CPU)."""
+    target = Qwen3Target.from_pretrained(target_dir, tap_layers=tuple(tap_layers))
+    return generate(target, prompts, max_new_tokens, max_batch, temperature, seed, "cpu", return_taps=return_taps)
