@@ -77,6 +77,13 @@ def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "ret
     return out
 
 
+def tau_worker(target_dir: str, drafter_dir: str, prompts: list[list[int]], modes, max_new_tokens: int,
+               temperature: float, block_size: int | None, max_batch: int, seed: int) -> dict:
+    """tau_by_mode in a worker process (loads the pair itself; CPU)."""
+    target, drafter = load_pair(target_dir, drafter_dir)
+    return tau_by_mode(target, drafter, prompts, tuple(modes), max_new_tokens, temperature, block_size, max_batch, seed)
+
+
 def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_files: list[str | Path], max_new_tokens: int = 96,
              temperature: float = 0.0, block_size: int | None = None, modes=("dflash", "retrace"), max_batch: int = 32,
              seed: int = 0, limit: int | None = None, threads: int | None = None, device: str = "cpu") -> dict:
