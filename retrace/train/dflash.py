@@ -50,6 +50,7 @@ class DFlashConfig:
     max_new_tokens: int = 128
     gen_batch: int = 64
     gen_temperature: float = 0.0
+    gen_sample_frac: float = 0.0  # this fraction of the responses is sampled at T=1 instead (calibrates q for T>0)
     gen_workers: int = 1  # CPU: generate the responses in this many processes (one thread each)
     # optimisation
     steps: int = 2000
@@ -378,7 +379,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     train_p, val_p = prepare_prompts(target_dir, data, cfg.max_prompt_len, cfg.num_prompts, cfg.val_prompts, cfg.seed)
     key = {"target": file_sha(next(iter(sorted(target_dir.glob("*.safetensors"))))), "data": file_sha(data),
            "n": len(train_p) + len(val_p), "max_new": cfg.max_new_tokens, "maxp": cfg.max_prompt_len,
-           "T": cfg.gen_temperature, "seed": cfg.seed, "val": cfg.val_prompts}
+           "T": cfg.gen_temperature, "seed": cfg.seed, "val": cfg.val_prompts, "sample_frac": cfg.gen_sample_frac}
     all_p = train_p + val_p
 
     # taps: kept (captured while generating) when they fit in cache_taps_mb, else recomputed per batch
@@ -386,23 +387,40 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     est_tokens = sum(len(p) for p in all_p) + len(all_p) * cfg.max_new_tokens
     cache = est_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
 
-    def make(with_taps):
-        cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target"
-                              + (f" ({cfg.gen_workers} processes)" if cfg.gen_workers > 1 and device.type == "cpu" else ""))
-        if cfg.gen_workers > 1 and device.type == "cpu":
+    def gen_group(prompts, temperature, seed, with_taps):
+        if cfg.gen_workers > 1 and device.type == "cpu" and len(prompts) > 1:
             parts = cm.parallel_map(generate_shard, [
-                (str(target_dir), tuple(dconf.target_layer_ids), all_p[r.start : r.stop], cfg.max_new_tokens,
-                 cfg.gen_batch, cfg.gen_temperature, cfg.seed + r.start, with_taps)
-                for r in cm.shards(len(all_p), cfg.gen_workers)], cfg.gen_workers)
+                (str(target_dir), tuple(dconf.target_layer_ids), prompts[r.start : r.stop], cfg.max_new_tokens,
+                 cfg.gen_batch, temperature, seed + r.start, with_taps)
+                for r in cm.shards(len(prompts), cfg.gen_workers)], cfg.gen_workers)
             if with_taps:
                 return [o for p in parts for o in p[0]], [t for p in parts for t in p[1]]
             return [o for p in parts for o in p], None
-        bar = _token_bar(progress, len(all_p) * cfg.max_new_tokens, "responses")
-        res = generate(target, all_p, cfg.max_new_tokens, cfg.gen_batch, cfg.gen_temperature, cfg.seed, device,
+        bar = _token_bar(progress, len(prompts) * cfg.max_new_tokens, "responses")
+        res = generate(target, prompts, cfg.max_new_tokens, cfg.gen_batch, temperature, seed, device,
                        progress=(lambda n: bar.update(n)) if bar else None, return_taps=with_taps)
         if bar:
             bar.close()
         return res if with_taps else (res, None)
+
+    def make(with_taps):
+        cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target"
+                              + (f" ({cfg.gen_workers} processes)" if cfg.gen_workers > 1 and device.type == "cpu" else "")
+                              + (f", {cfg.gen_sample_frac:.0%} sampled at T=1" if cfg.gen_sample_frac else ""))
+        g = torch.Generator().manual_seed(cfg.seed + 99)
+        sampled = (torch.rand(len(all_p), generator=g) < cfg.gen_sample_frac).tolist()
+        outs: list = [None] * len(all_p)
+        taps: list = [None] * len(all_p)
+        for flag, temp in ((False, cfg.gen_temperature), (True, 1.0)):
+            ix = [i for i in range(len(all_p)) if sampled[i] == flag]
+            if not ix:
+                continue
+            o, t = gen_group([all_p[i] for i in ix], temp, cfg.seed + (50_000 if flag else 0), with_taps)
+            for j, i in enumerate(ix):
+                outs[i] = o[j]
+                if t is not None:
+                    taps[i] = t[j]
+        return outs, (taps if with_taps else None)
 
     responses, taps_all = cached_responses(out / "train_data", key, make, cache)
     gen_s = time.perf_counter() - t0
