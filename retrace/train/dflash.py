@@ -51,7 +51,8 @@ class DFlashConfig:
     gen_batch: int = 64
     gen_temperature: float = 0.0
     gen_sample_frac: float = 0.0  # this fraction of the responses is sampled at T=1 instead (calibrates q for T>0)
-    gen_workers: int = 1  # CPU: generate the responses in this many processes (one thread each)
+    gen_workers: int = 1  # CPU: generate the responses in this many spawned processes (one thread each;
+    # a calling script needs the usual `if __name__ == "__main__":` guard)
     # optimisation
     steps: int = 2000
     batch_size: int = 8
