@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
 
 # Before torch is imported: worker threads wait passively (busy-waiting costs 4-6x on a loaded 2-core machine).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
+from retrace.cli_errors import cli_errors  # noqa: E402
 from retrace.errors import RetraceError  # noqa: E402
-
-
-def user_errors(fn):
-    """Turn RetraceError (bad input, bad files) into a one-line message and exit code 2, no traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except RetraceError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-
-    return wrapper
 
 
 @click.group()
@@ -39,7 +24,7 @@ def main() -> None:
 @click.option("--init", "init", type=click.Choice(["zero", "random"]), default="zero", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="overwrite an existing conditioner")
-@user_errors
+@cli_errors
 def init_conditioner(drafter_dir: str, init: str, seed: int, force: bool) -> None:
     """Write a ReTrace conditioner (retrace_config.json + retrace.safetensors) beside a DFlash drafter."""
     from retrace.models.conditioner import ReTraceConditioner
@@ -133,7 +118,7 @@ def sampling_options(fn):
 @click.option("--mode", default="retrace", show_default=True, help="ar | dflash | retrace")
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with outputs and stats")
-@user_errors
+@cli_errors
 def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
              prompt, prompt_ids,
              prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, as_json) -> None:
@@ -204,7 +189,7 @@ main.add_command(eval_cmd)
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
-@user_errors
+@cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
           no_build_engine, json_out, plot_out, profile_out, readme_table, markdown_out, from_json) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,

@@ -142,7 +142,7 @@ def test_device_backend_matches_torch_backend(pair):
     ps = prompts(6)
     outs = []
     for cls in (TorchBackend, DeviceBackend):
-        be = cls(target, drafter, 3, 64) if cls is TorchBackend else cls(target, drafter, 3, 64, torch.device("cpu"))
+        be = cls(target, drafter, 3, 64) if cls is TorchBackend else cls(target, drafter, 3, 64, device=torch.device("cpu"))
         rolls, sched = run_requests(be, ps, "retrace", 16, block_size=8, record=True)
         outs.append(([r.output_ids for r in rolls], [len(r.rounds) for r in rolls], sched.stats["retrace"].rounds))
     assert outs[0] == outs[1]

@@ -10,35 +10,13 @@ Further subcommands register on `main` (a click group), e.g. `@main.command("tri
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
 
 import click
 
-from retrace.errors import MissingDependencyError, RetraceError
-
-
-def cli_errors(fn):
-    """User errors -> one line on stderr and exit code 2 (3 for a missing optional dependency); Ctrl-C ->
-    exit code 130 after the build has cleaned up."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except MissingDependencyError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(getattr(e, "exit_code", 3))
-        except RetraceError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written", err=True)
-            sys.exit(130)
-
-    return wrapper
+from retrace.cli_errors import cli_errors
 
 
 @click.group()

@@ -36,9 +36,10 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int = 8,
-                 max_seq_len: int = 2048, threads: int | None = None):
+                 max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str = "cpu"):
         if threads:
             torch.set_num_threads(threads)
+        self.device = torch.device(device)  # where the K/V caches live (the models must be there too)
         self.target_model = target
         self.drafter_model = drafter
         self.target_config = target.config
@@ -48,11 +49,14 @@ class TorchBackend:
         self.max_seq_len = max_seq_len
         dtype = target.lm_head.weight.dtype
         tc = target.config.layers
-        self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len, tc.head_dim, dtype)
-        self.dcache = None
-        if drafter is not None:
-            dc = drafter.config.layers
-            self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads, max_seq_len, dc.head_dim, dtype)
+        with self.device:
+            self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len, tc.head_dim,
+                                  dtype)
+            self.dcache = None
+            if drafter is not None:
+                dc = drafter.config.layers
+                self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads, max_seq_len,
+                                      dc.head_dim, dtype)
 
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype = torch.float32,

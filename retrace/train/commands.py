@@ -6,25 +6,11 @@ Only click is imported here; the trainers (torch, transformers) load when a comm
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
 
 import click
 
-
-def _user_errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from retrace.errors import RetraceError
-
-        try:
-            return fn(*args, **kwargs)
-        except RetraceError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-
-    return wrapper
+from retrace.cli_errors import cli_errors
 
 
 def _floats(s: str) -> tuple[float, ...]:
@@ -97,7 +83,7 @@ def train() -> None:
 @click.option("--gen-sample-frac", type=float, default=0.0, show_default=True,
               help="fraction of responses sampled at T=1 (calibrates the drafter for sampling)")
 @click.option("--gen-workers", type=int, default=1, show_default=True, help="CPU processes for generating responses")
-@_user_errors
+@cli_errors
 def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_prompt_len, batch_size, blocks_per_seq,
                lr, warmup, weight_decay, grad_clip, gamma, device, bf16, threads, seed, resume, stop_after, quiet,
                as_json, out_dir, block_size, num_layers, target_layer_ids, intermediate_size, mask_token_id, init, steps,
@@ -145,7 +131,7 @@ def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_p
 @click.option("--unfreeze-drafter", is_flag=True, help="also train the drafter (shared loss)")
 @click.option("--drafter-lr", type=float, default=1e-4, show_default=True)
 @click.option("--eval-prompts", type=int, default=32, show_default=True)
-@_user_errors
+@cli_errors
 def conditioner_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_prompt_len, batch_size,
                     blocks_per_seq, lr, warmup, weight_decay, grad_clip, gamma, device, bf16, threads, seed, resume,
                     stop_after, quiet, as_json, drafter_dir, out_dir, block_size, phases, steps_per_phase, rollout_prompts,
@@ -189,7 +175,7 @@ def zoo() -> None:
 @click.option("--force", is_flag=True, help="rebuild even if the manifest matches")
 @click.option("--threads", type=int, default=None)
 @click.option("--quiet", is_flag=True)
-@_user_errors
+@cli_errors
 def zoo_tiny(out_dir, size, seed, force, threads, quiet) -> None:
     """Build a tiny target + DFlash drafter + ReTrace conditioner offline, deterministically (cached)."""
     from retrace.train.zoo import build_zoo
@@ -220,7 +206,7 @@ def zoo_tiny(out_dir, size, seed, force, threads, quiet) -> None:
 @click.option("--threads", type=int, default=None)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-@_user_errors
+@cli_errors
 def eval_cmd(target_dir, drafter_dir, prompts_files, max_new_tokens, temperature, block_size, modes, limit, max_batch,
              seed, threads, device, as_json) -> None:
     """Acceptance length tau of dflash vs retrace on the same prompts (per prompt, pooled, paired SE)."""

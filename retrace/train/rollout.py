@@ -22,32 +22,11 @@ from retrace.models.drafter import DFlashDrafter, SuffixInputs
 from retrace.models.target import Qwen3Target
 from retrace.runtime.loop import Scheduler
 from retrace.runtime.sampling import SamplingParams
-from retrace.runtime.torch_backend import KVCache, TorchBackend
+from retrace.runtime.torch_backend import TorchBackend
 
 
 class DeviceBackend(TorchBackend):
     """TorchBackend with the models and the K/V caches on `device` (CPU tensors in and out)."""
-
-    def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int, max_seq_len: int,
-                 device: torch.device):
-        self.device = torch.device(device)
-        self.target_model = target
-        self.drafter_model = drafter
-        self.target_config = target.config
-        self.drafter_config = drafter.config if drafter is not None else None
-        self.has_conditioner = drafter is not None and drafter.conditioner is not None
-        self.max_batch = max_batch
-        self.max_seq_len = max_seq_len
-        dtype = target.lm_head.weight.dtype
-        tc = target.config.layers
-        with torch.device(self.device):
-            self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len,
-                                  tc.head_dim, dtype)
-            self.dcache = None
-            if drafter is not None:
-                dc = drafter.config.layers
-                self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads, max_seq_len,
-                                      dc.head_dim, dtype)
 
     def _autocast(self):
         # a bf16 target with an fp32 drafter (how the trainers hold them on a GPU) needs autocast
@@ -80,7 +59,7 @@ def make_backend(target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: 
     device = torch.device(device)
     if device.type == "cpu":
         return TorchBackend(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len)
-    return DeviceBackend(target, drafter, max_batch, max_seq_len, device)
+    return DeviceBackend(target, drafter, max_batch, max_seq_len, device=device)
 
 
 # -- records -----------------------------------------------------------------------------------------------
