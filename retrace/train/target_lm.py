@@ -60,6 +60,7 @@ class TargetPreset:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     bf16: bool = True
+    compile: bool = False  # torch.compile the training forward/backward (falls back to eager if it fails)
     init_std: float = 0.02
     # evaluation
     eval_tokens: int = 32_768
@@ -100,9 +101,10 @@ PRESETS: dict[str, TargetPreset] = {
         max_position_embeddings=512,
         seq_len=512,
         batch_size=8,
-        steps=1100,
+        steps=950,
         lr=2e-3,
         warmup_steps=60,
+        compile=True,
         eval_tokens=131_072,
     ),
 }
@@ -237,6 +239,15 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def compiled(model):
+    """torch.compile'd view of `model` (same parameters). On 2 CPU cores it costs ~20 s once and makes a small
+    preset step 0.57 -> 0.41 s (RMSNorm, RoPE and SiLU fused); shapes are fixed, so it compiles once."""
+    try:
+        return torch.compile(model)
+    except Exception:  # noqa: BLE001
+        return model
+
+
 def _lm_loss(model, batch: torch.Tensor, bf16: bool) -> torch.Tensor:
     inp, tgt = batch[:, :-1], batch[:, 1:]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -271,10 +282,20 @@ def train_target(
     t0 = time.perf_counter()
     c0 = time.process_time()
     ema = None
+    fwd = compiled(model) if preset.compile else model
     for step in range(preset.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, preset)
-        loss = _lm_loss(model, next(batches), preset.bf16)
+        batch = next(batches)
+        try:
+            loss = _lm_loss(fwd, batch, preset.bf16)
+        except Exception as e:  # noqa: BLE001 - no compiler, unsupported op, ...: the eager model is the same
+            if fwd is model:
+                raise
+            print(f"[zoo target] torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly",
+                  file=sys.stderr)
+            fwd = model
+            loss = _lm_loss(fwd, batch, preset.bf16)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
         loss.backward()

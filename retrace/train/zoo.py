@@ -50,11 +50,11 @@ PRESETS: dict[str, dict] = {
     # only: a 25% / 50% share of T=1 samples raised val tau at T=1 from 1.33 to 1.52 / 1.58 but cut it at T=0
     # from 2.93 to 2.51 / 2.40 (see --gen-sample-frac).
     "small": {
-        "dflash": dict(block_size=16, num_layers=1, init="copy", steps=1200, batch_size=8, blocks_per_seq=16,
+        "dflash": dict(block_size=16, num_layers=1, init="copy", steps=1000, batch_size=8, blocks_per_seq=16,
                        num_prompts=1536, val_prompts=64, max_new_tokens=96, gen_batch=64, gen_workers=2,
                        eval_every=250, save_every=0, eval_tau_prompts=32, eval_tau_new_tokens=64, warmup=60,
                        lr=3e-3, bf16=True),
-        "conditioner": dict(phases=2, steps_per_phase=80, rollout_prompts=128, rollout_batch=64, max_new_tokens=96,
+        "conditioner": dict(phases=1, steps_per_phase=120, rollout_prompts=192, rollout_batch=64, max_new_tokens=96,
                             num_prompts=1536, val_prompts=64, eval_prompts=32, eval_new_tokens=64, blocks_per_seq=16,
                             batch_size=8, warmup=20, diagnose_seqs=32, bf16=True),
         "eval": dict(n_prompts=128, max_new_tokens=96, temperatures=[0.0, 1.0], max_batch=64, lossless_prompts=8,
