@@ -184,6 +184,31 @@ def test_training_deterministic():
     assert shas[0] == shas[1]
 
 
+def test_failed_compile_trains_eagerly_with_the_same_result(monkeypatch, capsys):
+    """preset.compile: if the compiled model fails (no C++ compiler, unsupported op), training goes on eagerly
+    from the same batch and gives exactly the weights of an eager run."""
+    import torch
+
+    def state(compile_flag: bool) -> list:
+        preset = target_lm.get_preset("test", steps=3, warmup_steps=1, batch_size=2, seq_len=16, compile=compile_flag)
+        with target_lm.torch_threads(1):
+            model = target_lm.build_model(target_lm.make_config(preset), seed=3)
+            target_lm.train_target(model, torch.arange(2000) % 89 + 3, preset, seed=3, progress=False)
+        return [v.clone() for _, v in sorted(model.state_dict().items())]
+
+    def broken(model):
+        def fail(*args, **kwargs):
+            raise RuntimeError("no compiler here")
+
+        return fail
+
+    eager = state(False)
+    monkeypatch.setattr(target_lm, "compiled", broken)
+    fallback = state(True)
+    assert "torch.compile failed (RuntimeError: no compiler here)" in capsys.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(eager, fallback, strict=True))
+
+
 def test_lr_schedule_and_reset_guard():
     p = target_lm.get_preset("test", steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
     assert target_lm.lr_at(0, p) == pytest.approx(1e-4)
