@@ -97,13 +97,20 @@ def block_forward(drafter: DFlashDrafter, taps: torch.Tensor, anchor_pos: torch.
 
 
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-               block_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+               block_weight: torch.Tensor | None = None,
+               target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted cross-entropy over slots 1..B-1. logits [N, nb, B-1, V], labels [N, nb, B-1] (IGNORE = none),
-    weights [B-1], block_weight [N, nb] (0 drops a padding block). Returns (loss, sums for logging):
-    `acc_len` counts, per block with all labels present, the leading slots whose argmax is the label
-    (the greedy accepted length if the labels are the target's greedy continuation)."""
+    weights [B-1], block_weight [N, nb] (0 drops a padding block). With target_logits [N, nb, B-1, V] (the
+    target's own distribution for each slot's token) the per-slot loss is KL(target || drafter) instead: soft
+    labels that calibrate the drafter's proposal for sampling. Returns (loss, sums for logging): `acc_len`
+    counts, per block with all labels present, the leading slots whose argmax is the label (the greedy
+    accepted length if the labels are the target's greedy continuation)."""
     V = logits.shape[-1]
-    ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp_min(0), reduction="none")
+    if target_logits is None:
+        ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp_min(0), reduction="none")
+    else:
+        ce = F.kl_div(logits.reshape(-1, V).float().log_softmax(-1), target_logits.reshape(-1, V).float().log_softmax(-1),
+                      log_target=True, reduction="none").sum(-1)
     ce = ce.view_as(labels)
     present = (labels != IGNORE).float()
     if block_weight is not None:

@@ -83,11 +83,13 @@ def train() -> None:
 @click.option("--gen-sample-frac", type=float, default=0.0, show_default=True,
               help="fraction of responses sampled at T=1 (calibrates the drafter for sampling)")
 @click.option("--gen-workers", type=int, default=1, show_default=True, help="CPU processes for generating responses")
+@click.option("--soft-labels", is_flag=True,
+              help="KL to the target's distribution at every slot instead of CE on its token (better T>0 acceptance)")
 @cli_errors
 def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_prompt_len, batch_size, blocks_per_seq,
                lr, warmup, weight_decay, grad_clip, gamma, device, bf16, threads, seed, resume, stop_after, quiet,
                as_json, out_dir, block_size, num_layers, target_layer_ids, intermediate_size, mask_token_id, init, steps,
-               grad_accum, eval_every, save_every, gen_batch, gen_temperature, gen_sample_frac, gen_workers) -> None:
+               grad_accum, eval_every, save_every, gen_batch, gen_temperature, gen_sample_frac, gen_workers, soft_labels) -> None:
     """Distil a DFlash drafter from a frozen target on the target's own responses."""
     from retrace.train.dflash import DFlashConfig, train_dflash
 
@@ -95,7 +97,7 @@ def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_p
         block_size=block_size, num_layers=num_layers, target_layer_ids=_ints(target_layer_ids),
         intermediate_size=intermediate_size, mask_token_id=mask_token_id, init=init, num_prompts=num_prompts,
         val_prompts=val_prompts, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens, gen_batch=gen_batch,
-        gen_temperature=gen_temperature, gen_sample_frac=gen_sample_frac, gen_workers=gen_workers, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
+        gen_temperature=gen_temperature, gen_sample_frac=gen_sample_frac, gen_workers=gen_workers, soft_labels=soft_labels, steps=steps, batch_size=batch_size, grad_accum=grad_accum,
         blocks_per_seq=blocks_per_seq, grad_clip=grad_clip, gamma=gamma, eval_every=eval_every,
         save_every=save_every, stop_after=stop_after, seed=seed, device=device, bf16=bf16, threads=threads)
     if lr is not None:

@@ -50,6 +50,7 @@ class DFlashConfig:
     max_new_tokens: int = 128
     gen_batch: int = 64
     gen_temperature: float = 0.0
+    soft_labels: bool = False  # KL to the target's distribution at each slot instead of CE on its token
     gen_sample_frac: float = 0.0  # this fraction of the responses is sampled at T=1 instead (calibrates q for T>0)
     gen_workers: int = 1  # CPU: generate the responses in this many spawned processes (one thread each;
     # a calling script needs the usual `if __name__ == "__main__":` guard)
@@ -136,15 +137,16 @@ def compute_taps(target: Qwen3Target, seqs: list[list[int]], batch: int, device:
     return out
 
 
-def target_taps(target: Qwen3Target, ids: torch.Tensor) -> torch.Tensor:
+def target_taps(target: Qwen3Target, ids: torch.Tensor, logits_at: torch.Tensor | None = None):
+    """Taps [N, S, k*d] of one causal forward; with logits_at [N, K] also the logits there, as (taps, logits)."""
     N, S = ids.shape
     pk, pv = target.empty_past(N)
     pk = [t.to(ids.device) for t in pk]
     pv = [t.to(ids.device) for t in pv]
-    _, taps, _, _ = target(ids, torch.arange(S, device=ids.device).expand(N, S), pk, pv,
-                           torch.zeros(N, dtype=torch.long, device=ids.device),
-                           logits_index=torch.zeros(N, 1, dtype=torch.long, device=ids.device))
-    return taps
+    index = logits_at if logits_at is not None else torch.zeros(N, 1, dtype=torch.long, device=ids.device)
+    logits, taps, _, _ = target(ids, torch.arange(S, device=ids.device).expand(N, S), pk, pv,
+                                torch.zeros(N, dtype=torch.long, device=ids.device), logits_index=index)
+    return (taps, logits) if logits_at is not None else taps
 
 
 def pad_tokens(seqs: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
@@ -304,17 +306,25 @@ class _Data:
 def _batch_forward(drafter, target, data: _Data, idx, anchors, bw, cfg, device, weights, bf16):
     seqs = [data.seqs[i] for i in idx]
     ids, lengths = pad_tokens(seqs, device)
-    if data.taps is not None:
+    anchors, bw = anchors.to(device), bw.to(device)
+    soft = None
+    if data.taps is not None and not cfg.soft_labels:
         taps = pad_taps([data.taps[i] for i in idx], device)
     else:
         with torch.no_grad():
-            taps = target_taps(target, ids).float()
-    anchors, bw = anchors.to(device), bw.to(device)
+            # slot k of the block at anchor a predicts the token at a+k: the target's logits at a+k-1
+            if cfg.soft_labels:
+                at = (anchors.unsqueeze(-1) + torch.arange(cfg.block_size - 1, device=device)).clamp_max(ids.shape[1] - 1)
+                taps, soft = target_taps(target, ids, at.flatten(1))
+                soft = soft.view(*at.shape, -1).float()
+            else:
+                taps = target_taps(target, ids)
+            taps = taps.float()
     block_ids, labels = bl.block_inputs(ids, anchors, cfg.block_size, drafter.config.mask_token_id,
                                         torch.tensor(lengths, device=device))
     with cm.autocast(device, bf16):
         _, logits = bl.block_forward(drafter, taps, anchors, block_ids)
-    return bl.block_loss(logits, labels, weights, bw)
+    return bl.block_loss(logits, labels, weights, bw, soft)
 
 
 def evaluate_blocks(drafter, target, data: _Data, anchors, cfg, device, weights, bf16) -> dict:
