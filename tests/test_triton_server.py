@@ -73,18 +73,49 @@ def test_generate_stream_sse(standin_server):
     assert "max_tokens" in json.dumps(events)
 
 
-def _grpc_inputs(grpcclient, text: str, max_tokens: int, stream: bool, **extra):
+def _grpc_inputs(grpcclient, text: str | None, max_tokens: int, stream: bool, **extra):
+    """gRPC inputs; text None leaves text_input out (pass input_ids=(array, "INT64") in extra instead)."""
     def mk(name, arr, dtype):
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         return t
 
-    inputs = [mk("text_input", np.array([text.encode()], dtype=np.object_), "BYTES"),
-              mk("max_tokens", np.array([max_tokens], np.int32), "INT32"),
-              mk("stream", np.array([stream]), "BOOL")]
+    inputs = [] if text is None else [mk("text_input", np.array([text.encode()], dtype=np.object_), "BYTES")]
+    inputs += [mk("max_tokens", np.array([max_tokens], np.int32), "INT32"),
+               mk("stream", np.array([stream]), "BOOL")]
     for name, (arr, dtype) in extra.items():
         inputs.append(mk(name, arr, dtype))
     return inputs
+
+
+def _grpc_stream_all(grpcclient, url: str, requests: dict[str, list], timeout: float = 120.0) -> dict[str, list]:
+    """Send every request on one decoupled gRPC stream; per request id, its responses as (output_ids, text,
+    stats or None) tuples, or an error string, up to the one carrying the stats (the last)."""
+    results: queue.Queue = queue.Queue()
+    got: dict[str, list] = {rid: [] for rid in requests}
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        for rid, inputs in requests.items():
+            client.async_stream_infer(MODEL, inputs, request_id=rid)
+        done: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while len(done) < len(requests) and time.monotonic() < deadline:
+            result, error = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            if error is not None:  # a stream error does not name its request: fail loudly
+                raise AssertionError(f"gRPC stream error: {error}")
+            rid = result.get_response().id
+            ids, text, stats = (result.as_numpy(n) for n in ("output_ids", "text_output", "stats"))
+            got[rid].append((ids.tolist() if ids is not None else [],
+                             text[0].decode() if text is not None else "",
+                             json.loads(stats[0]) if stats is not None else None))
+            if stats is not None:
+                done.add(rid)
+        assert done == set(requests), (done, got)
+    finally:
+        client.stop_stream()
+        client.close()
+    return got
 
 
 def test_grpc_streaming_client(standin_server):
@@ -382,7 +413,9 @@ def test_real_runtime_torch_backend_through_triton(tmp_path, triton_env, standin
 def test_real_onnxruntime_bundle_through_triton(tmp_path, triton_env):
     """The production path (no factory: Runtime.from_bundle(..., backend="onnxruntime")) on a real bundle:
     32 concurrent clients over HTTP generate, in all three modes, each get exactly the offline greedy output
-    of `retrace generate --engine`, and the runtime batches them (batch > 1).
+    of `retrace generate --engine`, and the runtime batches them (batch > 1). Then the streaming paths on the
+    same server: for two prompts in each mode, the HTTP SSE stream (generate_stream) and a decoupled gRPC
+    stream each deliver, concatenated, the same greedy ids, with the stats on the last response only.
 
     Uses the test session's bundle (tests/export_fixtures.py); RETRACE_TRITON_TEST_BUNDLE=<bundle> serves
     another one (e.g. the one `make demo` builds)."""
@@ -393,6 +426,7 @@ def test_real_onnxruntime_bundle_through_triton(tmp_path, triton_env):
     from retrace.export.triton.repository import write_repository
     from retrace.runtime import Runtime, SamplingParams
 
+    grpcclient = pytest.importorskip("tritonclient.grpc")
     bundle = os.environ.get("RETRACE_TRITON_TEST_BUNDLE") or str(pair_and_bundle().bundle)
     rt = Runtime.from_bundle(bundle, backend="onnxruntime", max_batch=4)
     has_text = bool(os.environ.get("RETRACE_TRITON_TEST_BUNDLE")) and rt.codec is not None
@@ -401,14 +435,51 @@ def test_real_onnxruntime_bundle_through_triton(tmp_path, triton_env):
     want = rt.generate(prompts, SamplingParams(max_new_tokens=16), mode="ar")
     limit = rt.backend.max_batch
     repo = write_repository(bundle, tmp_path / "repo", model_name=MODEL, max_batch=limit, env_path=triton_env.model_env)
+    key = "text_input" if has_text else "input_ids"
+    # streaming cases: (prompt index, mode), each sent over HTTP SSE and over gRPC
+    cases = {f"p{k}-{mode}": (k, mode) for k in range(2) for mode in ("ar", "dflash", "retrace")}
+
+    def grpc_request(k, mode):
+        extra = {"mode": (np.array([mode.encode()], dtype=np.object_), "BYTES")}
+        if not has_text:
+            extra["input_ids"] = (np.array(prompts[k], np.int64), "INT64")
+        return _grpc_inputs(grpcclient, prompts[k] if has_text else None, 16, True, **extra)
+
     with TritonServer(repo, triton_env, log_path=tmp_path / "server.log", models=[MODEL]) as srv:
         def one(i):
-            key = "text_input" if has_text else "input_ids"
             body = {key: prompts[i % 4], "max_tokens": 16, "mode": ["retrace", "dflash", "ar"][i % 3]}
             return generate(srv, body, timeout=300)
 
+        def sse(case):
+            k, mode = case
+            return generate_stream(srv, {key: prompts[k], "max_tokens": 16, "mode": mode, "stream": True},
+                                   timeout=300)
+
         with ThreadPoolExecutor(max_workers=32) as pool:
             outs = list(pool.map(one, range(32)))
+            sse_outs = dict(zip(cases, pool.map(sse, cases.values()), strict=True))
+        grpc_outs = _grpc_stream_all(grpcclient, srv.grpc_url,
+                                     {rid: grpc_request(k, mode) for rid, (k, mode) in cases.items()})
+    for rid, (k, mode) in cases.items():
+        status, events = sse_outs[rid]
+        assert status == 200 and events and all("error" not in e for e in events), (rid, events)
+        ids = [t for e in events for t in as_list(e.get("output_ids", []))]
+        assert ids == want[k].token_ids, (rid, ids, want[k].token_ids)  # SSE: lossless greedy
+        if has_text:
+            assert "".join(e.get("text_output", "") for e in events) == want[k].text, rid
+        assert all("stats" not in e for e in events[:-1]) and "stats" in events[-1], (rid, events)
+        st = stats_of(events[-1])
+        assert st["mode"] == mode and st["rounds"] >= 1 and st["completion_tokens"] == len(ids), (rid, st)
+        if mode == "ar":
+            assert len(events) > 1, (rid, events)  # one event per committed round, not one at the end
+        responses = grpc_outs[rid]
+        ids = [t for r_ids, _, _ in responses for t in r_ids]
+        assert ids == want[k].token_ids, (rid, ids, want[k].token_ids)  # gRPC stream: lossless greedy
+        if has_text:
+            assert "".join(text for _, text, _ in responses) == want[k].text, rid
+        assert all(r[2] is None for r in responses[:-1]) and responses[-1][2]["mode"] == mode, (rid, responses)
+    print(f"streamed responses per request (SSE, gRPC): "
+          f"{ {rid: (len(sse_outs[rid][1]), len(grpc_outs[rid])) for rid in cases} }")
     batches = []
     for i, (status, out) in enumerate(outs):
         assert status == 200, out
