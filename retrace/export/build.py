@@ -36,6 +36,7 @@ from typing import Any
 
 from retrace.engines.bundle import FORMAT, MANIFEST, read_manifest, retrace_version, write_manifest
 from retrace.errors import MissingDependencyError, RetraceError
+from retrace.staging import remove_orphaned
 
 # backend -> "module:function" run after the ONNX stages (None: the ONNX graphs are the engine)
 BACKEND_HOOKS: dict[str, str | None] = {
@@ -164,19 +165,12 @@ def _check_output(out: Path, force: bool) -> None:
 
 def _clean_stale(parent: Path, name: str) -> None:
     """Remove temp directories of builds of the same output that were killed (their PID is gone)."""
+    found = []
     for p in parent.glob(f".{name}.*-*"):
         m = _STAGING_RE.match(p.name)
-        if not m or m.group("name") != name or not p.is_dir():
-            continue
-        pid = int(m.group("pid"))
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:
-            pass
+        if m and m.group("name") == name and p.is_dir():
+            found.append((p, int(m.group("pid"))))
+    remove_orphaned(found)
 
 
 def _swap_into_place(staging: Path, out: Path, force: bool) -> None:

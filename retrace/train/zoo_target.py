@@ -38,6 +38,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..staging import remove_orphaned
 from . import corpus as corpus_mod
 from . import prompts as prompts_mod
 from . import target_lm
@@ -204,19 +205,13 @@ def build_target_stage(
 
 def _remove_stale_staging(out_dir: Path) -> None:
     """Delete temporary build dirs left by builds whose process is gone (killed, crashed)."""
+    found = []
     for p in out_dir.glob(".zoo-target-tmp-*"):
         try:
-            pid = int(p.name.split("-")[3])
+            found.append((p, int(p.name.split("-")[3])))
         except (IndexError, ValueError):
             continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
+    remove_orphaned(found)
 
 
 def _install(staging: Path, out_dir: Path) -> None:
