@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from retrace.models.conditioner import ReTraceConditioner
+from retrace.models.config import DrafterConfig
 from retrace.models.drafter import load_pair
 from retrace.train import blocks as bl
 from retrace.train.conditioner import ConditionerConfig, collate, collect, pick_rounds
@@ -46,8 +47,6 @@ def zero_conditioner_copy(drafter_dir: Path, tmp: Path) -> Path:
     """The drafter's DFlash files with a zero conditioner beside them (ReTrace mode == DFlash)."""
     for name in ("config.json", "model.safetensors"):
         shutil.copy(drafter_dir / name, tmp / name)
-    from retrace.models.config import DrafterConfig
-
     cfg = DrafterConfig.from_dir(tmp)
     ReTraceConditioner(cfg.hidden_size, rms_norm_eps=cfg.layers.rms_norm_eps).save(tmp)
     return tmp

@@ -107,23 +107,24 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     accepted length if the labels are the target's greedy continuation)."""
     V = logits.shape[-1]
     if target_logits is None:
-        ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp_min(0), reduction="none")
+        per_slot = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1).clamp_min(0), reduction="none")
     else:
-        ce = F.kl_div(logits.reshape(-1, V).float().log_softmax(-1), target_logits.reshape(-1, V).float().log_softmax(-1),
-                      log_target=True, reduction="none").sum(-1)
-    ce = ce.view_as(labels)
+        per_slot = F.kl_div(logits.reshape(-1, V).float().log_softmax(-1),
+                            target_logits.reshape(-1, V).float().log_softmax(-1), log_target=True,
+                            reduction="none").sum(-1)
+    per_slot = per_slot.view_as(labels)
     present = (labels != IGNORE).float()
     if block_weight is not None:
         present = present * block_weight.unsqueeze(-1).float()
     w = weights.view(1, 1, -1) * present
     wsum = w.sum()
-    loss = (ce * w).sum() / wsum.clamp_min(1e-8)
+    loss = (per_slot * w).sum() / wsum.clamp_min(1e-8)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & (present > 0)
         full = (present > 0).all(-1)
         acc_len = correct.long().cumprod(-1).sum(-1)
         stats = {
-            "loss_sum": float((ce * w).sum()), "weight_sum": float(wsum),
+            "loss_sum": float((per_slot * w).sum()), "weight_sum": float(wsum),
             "acc_len_sum": float(acc_len[full].sum()), "full_blocks": int(full.sum()),
             "top1_slot1": float(correct[..., 0].float().sum()), "slot1_n": float(present[..., 0].sum()),
         }

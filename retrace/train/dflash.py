@@ -308,7 +308,7 @@ def _batch_forward(drafter, target, data: _Data, idx, anchors, bw, cfg, device, 
     ids, lengths = pad_tokens(seqs, device)
     anchors, bw = anchors.to(device), bw.to(device)
     soft = None
-    if data.taps is not None and not cfg.soft_labels:
+    if data.taps is not None:
         taps = pad_taps([data.taps[i] for i in idx], device)
     else:
         with torch.no_grad():
@@ -393,10 +393,11 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
            "T": cfg.gen_temperature, "seed": cfg.seed, "val": cfg.val_prompts, "sample_frac": cfg.gen_sample_frac}
     all_p = train_p + val_p
 
-    # taps: kept (captured while generating) when they fit in cache_taps_mb, else recomputed per batch
+    # taps: kept (captured while generating) when they fit in cache_taps_mb, else recomputed per batch; with
+    # soft labels every batch runs the target anyway (for its logits), so none are kept
     kd = dconf.num_taps * dconf.hidden_size
     est_tokens = sum(len(p) for p in all_p) + len(all_p) * cfg.max_new_tokens
-    cache = est_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
+    cache = not cfg.soft_labels and est_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
 
     def gen_group(prompts, temperature, seed, with_taps):
         if cfg.gen_workers > 1 and device.type == "cpu" and len(prompts) > 1:
