@@ -53,29 +53,34 @@ def zero_conditioner_copy(drafter_dir: Path, tmp: Path) -> Path:
 
 
 def block_rows(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], max_new_tokens: int,
-               seed: int) -> list[dict]:
-    """One dict of [B-1] tensors per recorded block whose labels are all known."""
+               seed: int, device: torch.device | str = "cpu") -> list[dict]:
+    """One dict of [B-1] tensors (CPU) per recorded block whose labels are all known."""
+    device = torch.device(device)
     target, drafter = load_pair(target_dir, drafter_dir)
+    target.to(device)
+    drafter.to(device)
     B = drafter.config.block_size
     cfg = ConditionerConfig(max_new_tokens=max_new_tokens, rollout_batch=64, rollout_temperatures=(0.0,))
-    ex = collect(target, drafter, prompts, cfg, torch.device("cpu"), seed, False, False)
+    ex = collect(target, drafter, prompts, cfg, device, seed, False, False)
     use, rows = ex.usable(), []
     with torch.no_grad():
         for s in range(0, len(use), 8):
             idx = use[s : s + 8]
             picks = pick_rounds(ex, idx, 10**6, None)
-            taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, "cpu", drafter.config.mask_token_id)
+            taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device, drafter.config.mask_token_id)
             _, logits = bl.block_forward(drafter, taps, anchors, block_ids, None)
             p_fresh, fresh = logits.float().softmax(-1).max(-1)
             mem = drafter.target.logits(suffix.memory[:, :, 1:]).argmax(-1)
             full = ((labels != bl.IGNORE) & (bw.unsqueeze(-1) > 0)).all(-1) & (bw > 0)
-            f = suffix.features[:, :, 1:]
+            f = suffix.features[:, :, 1:].cpu()
+            labels, bw, full, fresh, p_fresh, mem = (t.cpu() for t in (labels, bw, full, fresh, p_fresh, mem))
+            valid = suffix.valid[:, :, 1:].cpu() > 0
             for n, (i, pk) in enumerate(zip(idx, picks, strict=True)):
                 for b, k in enumerate(pk):
                     if full[n, b]:
                         rows.append(dict(seq=i, label=labels[n, b], fresh=fresh[n, b], p_fresh=p_fresh[n, b],
                                          mem=mem[n, b], tt=ex.rolls[i].rounds[k].target_tokens[1:],
-                                         valid=suffix.valid[n, b, 1:] > 0, agree=f[n, b, :, 0],
+                                         valid=valid[n, b], agree=f[n, b, :, 0],
                                          target_prob=f[n, b, :, 1], draft_prob=f[n, b, :, 2]))
     return rows
 

@@ -44,6 +44,6 @@ def contiguous_range(slots: torch.Tensor) -> slice | None:
     """slots == [a, a+1, ..., a+N-1] -> slice(a, a+N) (a view, no gather), else None."""
     n = slots.numel()
     first = int(slots[0])
-    if n == 1 or bool((slots == torch.arange(first, first + n)).all()):
+    if n == 1 or bool((slots == torch.arange(first, first + n, device=slots.device)).all()):
         return slice(first, first + n)
     return None

@@ -76,7 +76,11 @@ class TorchBackend:
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
         past_len = ctx_positions[:, 0]
         pk, pv = self.dcache.past(slots, int(past_len.max()))
-        hidden, logits, nk, nv = self.drafter_model(ctx_taps.to(self.drafter_model.fc.weight.dtype), ctx_positions,
+        dt = self.drafter_model.fc.weight.dtype
+        if suffix is not None and suffix.memory.dtype != dt:  # the loop keeps the memory in fp32
+            suffix = SuffixInputs(suffix.memory.to(dt), suffix.features.to(dt), suffix.valid.to(dt),
+                                  suffix.corr_index)
+        hidden, logits, nk, nv = self.drafter_model(ctx_taps.to(dt), ctx_positions,
                                                     pk, pv, past_len, block_ids, block_positions, suffix)
         self.dcache.write(slots, ctx_positions, nk, nv)
         return hidden.float(), logits

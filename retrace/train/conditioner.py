@@ -77,6 +77,7 @@ class ConditionerConfig:
     eval_new_tokens: int = 64
     diagnose_seqs: int = 64  # per phase: diagnose() on this many fresh (not yet trained on) rollouts
     stop_after: int | None = None  # end this invocation after N more phases (checkpointed; --resume continues)
+    max_train_seconds: float | None = None  # wall-time budget of rollouts + training: later steps/phases dropped
     seed: int = 0
     device: str = "auto"
     bf16: bool | None = None
@@ -342,7 +343,12 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     bar = cm.progress_bar(total_steps, "conditioner", progress, initial=step)
     last = {}
     stop_at = cfg.phases if cfg.stop_after is None else min(cfg.phases, phase + cfg.stop_after)
-    while phase < stop_at:
+    t_loop = time.perf_counter()
+
+    def out_of_time() -> bool:
+        return cfg.max_train_seconds is not None and time.perf_counter() - t_loop >= cfg.max_train_seconds
+
+    while phase < stop_at and not (history and out_of_time()):
         # 1. on-policy rollout with the current conditioner
         t0 = time.perf_counter()
         k = cfg.rollout_prompts
@@ -373,6 +379,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         sampler = SeqSampler(len(use), cfg.seed + phase)
         tot, btot, gs, gw = {}, {}, 0.0, 0.0
         for i_step in range(cfg.steps_per_phase):
+            if i_step and out_of_time():
+                break
             lr = cm.lr_at(step, total_steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
             for g, sc in zip(opt.param_groups, lr_scale, strict=True):
                 g["lr"] = lr * sc
@@ -440,7 +448,7 @@ def _paired(btot: dict) -> dict:
 
 def _resume_key(cfg: ConditionerConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("phases", "stop_after", "diagnose_seqs", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch"):
+    for k in ("phases", "stop_after", "max_train_seconds", "diagnose_seqs", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch"):
         d.pop(k, None)
     return d
 

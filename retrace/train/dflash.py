@@ -72,6 +72,7 @@ class DFlashConfig:
     eval_tau_new_tokens: int = 64
     cache_taps_mb: int = 2048
     stop_after: int | None = None  # end this invocation after N more steps (checkpointed; --resume continues)
+    max_train_seconds: float | None = None  # wall-time budget of the training loop: then finish as if at `steps`
     seed: int = 0
     device: str = "auto"
     bf16: bool | None = None  # None: on for CUDA, off for CPU
@@ -497,8 +498,16 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
         cm.save_train_state(out, params, opt, step_now, info, rng={"anchors": agen.get_state()})
         drafter.save_pretrained(out, save_conditioner=False)
 
+    timed_out = False
     while step < stop_at:
-        cm.set_lr(opt, cm.lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio))
+        sched_step = step
+        if cfg.max_train_seconds is not None:
+            frac = (time.perf_counter() - t_train) / cfg.max_train_seconds
+            if frac >= 1.0:
+                timed_out = True
+                break
+            sched_step = max(step, min(cfg.steps - 1, int(cfg.steps * frac)))  # the schedule follows the budget
+        cm.set_lr(opt, cm.lr_at(sched_step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio))
         tot: dict = {}
         for _ in range(cfg.grad_accum):
             idx = sampler.take(cfg.batch_size)
@@ -530,8 +539,12 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     if bar is not None:
         bar.close()
     train_s = time.perf_counter() - t_train
+    if timed_out and dval.seqs:
+        last_eval = evaluate_blocks(drafter, target, dval, val_anchors, cfg, device, weights, bf16)
+        history.append({"step": step, "train_loss": round(ema, 4) if ema is not None else None,
+                        **{f"val_{k}": v for k, v in last_eval.items()}})
     save(step)
-    if step < cfg.steps:
+    if step < cfg.steps and not timed_out:
         cm.log(progress, TAG, f"stopped at step {step} of {cfg.steps} (--stop-after); continue with --resume")
         return {"kind": "dflash", "steps": step, "stopped": True, "train_loss": ema, "history": history}
 
@@ -544,6 +557,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
         "val": last_eval, "val_runtime_tau": tau, "history": history, "mask_row": mask_info,
         "drafter_params": sum(p.numel() for p in params.values()), "target_layer_ids": list(dconf.target_layer_ids),
         "block_size": cfg.block_size, "num_layers": cfg.num_layers, "init": cfg.init, "gamma": gamma,
+        "timed_out": timed_out,
         "train_sequences": len(dtrain.seqs), "val_sequences": len(dval.seqs),
         "seconds": {"responses": round(gen_s, 2), "taps": round(taps_s, 2), "train": round(train_s, 2),
                     "steps_per_s": round(steps_run / max(train_s, 1e-9), 3), "eval_tau": round(tau_s, 2),
@@ -557,7 +571,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
 
 def _resume_key(cfg: DFlashConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("steps", "stop_after", "gen_workers", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
+    for k in ("steps", "stop_after", "max_train_seconds", "gen_workers", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
               "cache_taps_mb", "gen_batch"):
         d.pop(k, None)
     return d

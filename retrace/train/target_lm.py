@@ -250,7 +250,7 @@ def compiled(model):
 
 def _lm_loss(model, batch: torch.Tensor, bf16: bool) -> torch.Tensor:
     inp, tgt = batch[:, :-1], batch[:, 1:]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=inp, use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
@@ -262,8 +262,15 @@ def train_target(
     seed: int = 0,
     progress: bool = True,
     log_every: int = 50,
+    max_seconds: float | None = None,
 ) -> dict:
-    """Train ``model`` in place on ``stream``; returns stats (loss curve, tokens, seconds, tokens/s)."""
+    """Train ``model`` in place on ``stream``; returns stats (loss curve, tokens, seconds, tokens/s).
+
+    Batches go to the model's device. ``max_seconds``: stop after that much wall time (or ``preset.steps``,
+    whichever comes first); the learning-rate schedule then follows the elapsed fraction of the budget, so
+    a time-bounded run still warms up and decays fully.
+    """
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed + 1)
     opt = torch.optim.AdamW(
         param_groups(model, preset.weight_decay), lr=preset.lr, betas=preset.betas, eps=1e-8, foreach=True
@@ -283,10 +290,15 @@ def train_target(
     c0 = time.process_time()
     ema = None
     fwd = compiled(model) if preset.compile else model
+    steps_run = 0
     for step in range(preset.steps):
+        elapsed = time.perf_counter() - t0
+        if max_seconds is not None and elapsed >= max_seconds:
+            break
+        sched_step = step if max_seconds is None else max(step, int(preset.steps * elapsed / max_seconds))
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, preset)
-        batch = next(batches)
+            g["lr"] = lr_at(min(sched_step, preset.steps - 1), preset)
+        batch = next(batches).to(device, non_blocking=True)
         try:
             loss = _lm_loss(fwd, batch, preset.bf16)
         except Exception as e:  # noqa: BLE001 - no compiler, unsupported op, ...: the eager model is the same
@@ -304,6 +316,7 @@ def train_target(
         opt.zero_grad(set_to_none=True)
         lv = loss.item()
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+        steps_run = step + 1
         if step % log_every == 0 or step == preset.steps - 1:
             curve.append((step, round(lv, 4)))
         if bar is not None:
@@ -317,10 +330,10 @@ def train_target(
         bar.close()
     secs = time.perf_counter() - t0
     cpu = time.process_time() - c0
-    tokens = preset.steps * preset.batch_size * preset.seq_len
+    tokens = steps_run * preset.batch_size * preset.seq_len
     model.eval()
     return {
-        "steps": preset.steps,
+        "steps": steps_run,
         "train_tokens": tokens,
         "stream_tokens": int(stream.numel()),
         "epochs": round(tokens / max(1, stream.numel()), 3),
@@ -363,14 +376,15 @@ def evaluate_ppl(
     if n < 1:
         raise ValueError("eval stream too short")
     starts = torch.arange(n) * seq_len
+    device = next(model.parameters()).device
     nll, count, nbytes = 0.0, 0, 0.0
     was_training = model.training
     model.eval()
     for i in range(0, n, batch_size):
         idx = starts[i : i + batch_size, None] + torch.arange(w)[None, :]
         batch = stream[idx.clamp_max(stream.numel() - 1)]
-        logits = model(input_ids=batch[:, :-1], use_cache=False).logits.float()
-        tgt = batch[:, 1:]
+        logits = model(input_ids=batch[:, :-1].to(device), use_cache=False).logits.float()
+        tgt = batch[:, 1:].to(device)
         nll += float(
             torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum"
@@ -378,7 +392,7 @@ def evaluate_ppl(
         )
         count += tgt.numel()
         if token_bytes is not None:
-            nbytes += float(token_bytes[tgt].sum())
+            nbytes += float(token_bytes[batch[:, 1:]].sum())
     model.train(was_training)
     out = {"eval_tokens": count, "nll": nll / count, "ppl": math.exp(nll / count)}
     if token_bytes is not None and nbytes > 0:
