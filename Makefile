@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean triton-env
+.PHONY: venv demo test lint bench clean triton-env gpu-carry
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,3 +44,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# What the coordinator carries to a lent GPU machine for scripts/gpu_check.sh (both git-ignored):
+# gpu-carry/ (test-size zoo pair + its CPU greedy reference) and .whl/ (transformers 5.23 + fallbacks).
+gpu-carry: $(STAMP)
+	PYTHON=$(BIN)/python scripts/gpu_carry.sh

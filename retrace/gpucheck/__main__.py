@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                               eval_prompts=a.eval_prompts, headroom_prompts=a.headroom_prompts,
                               max_train_chars=a.max_train_chars, compile=a.compile or None)
     rep = Report(a.outdir / "gpu_check.json", {"dry_run": a.dry_run, "device": str(device), "sections": sections,
-                                                "carry": str(a.carry), "argv": sys.argv[1:] if argv is None else argv})
+                                                "carry": str(a.carry), "argv": sys.argv[1:] if argv is None else argv},
+                 report_md.render)
     if not cuda and not a.dry_run:
         log("WARNING: CUDA is not available: every section runs on CPU (recorded as device cpu)")
     plan = {
@@ -74,14 +75,13 @@ def main(argv: list[str] | None = None) -> int:
                                        tuple(a.parity_dtypes.split(",")),
                                        a.parity_new_tokens or (12 if a.dry_run else None)),
         "kernels": lambda r: kernels.run(r, device, a.kernels_timeout, a.dry_run),
-        "scale": lambda r: scale.run(r, sc, work, device),
+        "scale": lambda r: scale.run(r, sc, work, device, save=rep.write),
     }
     for name in SECTIONS:
         if name in sections:
             rep.run(name, plan[name])
         else:
             rep.skip(name, "not in --sections")
-    (a.outdir / "gpu_check.md").write_text(report_md.render(rep.data))
     rep.write()
     log(f"done in {rep.data['elapsed_s']:.0f}s: {a.outdir / 'gpu_check.json'}, {a.outdir / 'gpu_check.md'}")
     return 0

@@ -25,8 +25,10 @@ def _clean(obj):
 
 
 class Report:
-    def __init__(self, path: Path, settings: dict):
+    def __init__(self, path: Path, settings: dict, render: Callable[[dict], str] | None = None):
+        """`render(data)` -> the Markdown report, written beside the JSON at every write."""
         self.path = Path(path)
+        self.render = render
         self.data: dict = {"settings": settings, "sections": {}, "started_unix": int(time.time())}
         self.t0 = time.perf_counter()
         self.write()
@@ -36,6 +38,11 @@ class Report:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(_clean(self.data), indent=1) + "\n")
         tmp.replace(self.path)
+        if self.render is not None:
+            try:
+                self.path.with_suffix(".md").write_text(self.render(self.data))
+            except Exception as e:  # noqa: BLE001 - the JSON is what matters
+                self.path.with_suffix(".md").write_text(f"report rendering failed: {type(e).__name__}: {e}\n")
 
     def run(self, name: str, fn: Callable[[dict], None]) -> None:
         """fn(result) fills `result` as it goes (partial results survive an exception)."""

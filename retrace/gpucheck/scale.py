@@ -82,7 +82,7 @@ DRY = ScaleConfig(max_train_chars=300_000, max_eval_chars=80_000, tokenizer_char
                   headroom_new_tokens=16, train_eval_prompts=3)
 
 
-def _step(result: dict, name: str, fn):
+def _step(result: dict, name: str, fn, save=None):
     """A sub-step whose failure is recorded but does not stop the remaining evaluation steps."""
     t = time.perf_counter()
     try:
@@ -95,6 +95,8 @@ def _step(result: dict, name: str, fn):
         log(f"scale/{name}: ERROR {type(e).__name__}: {e}")
     result.setdefault("seconds", {})[name] = round(time.perf_counter() - t, 2)
     log(f"scale/{name}: {result['seconds'][name]:.1f}s")
+    if save is not None:
+        save()
 
 
 def build_data(c: ScaleConfig, work: Path, result: dict):
@@ -182,7 +184,7 @@ def train_conditioner(c: ScaleConfig, work: Path, device, result: dict) -> None:
     log(f"scale: conditioner steps {m.get('steps')}, gate {m.get('mean_gate')}")
 
 
-def evaluate(c: ScaleConfig, work: Path, device, result: dict) -> None:
+def evaluate(c: ScaleConfig, work: Path, device, result: dict, save=None) -> None:
     from retrace.gpucheck import decode
     from retrace.train.evaluate import tau_by_mode
     from retrace.train.rollout import make_backend, run_requests
@@ -197,7 +199,7 @@ def evaluate(c: ScaleConfig, work: Path, device, result: dict) -> None:
             log(f"scale: T={T:g} dflash {rep['modes']['dflash']['tau']} retrace {rep['modes']['retrace']['tau']} "
                 f"paired {rep['paired']}")
             return rep
-        _step(result, f"tau_T{T:g}", tau_at)
+        _step(result, f"tau_T{T:g}", tau_at, save)
 
     def lossless():
         n = min(c.lossless_prompts, len(prompts))
@@ -212,8 +214,7 @@ def evaluate(c: ScaleConfig, work: Path, device, result: dict) -> None:
                 "retrace_equals_ar": outs["retrace"] == outs["ar"],
                 "identical_prompts": {m: sum(a == b for a, b in zip(outs[m], outs["ar"], strict=True))
                                       for m in ("dflash", "retrace")}}
-    _step(result, "lossless", lossless)
-    del target, drafter
+    _step(result, "lossless", lossless, save)
 
     def headroom():
         import tempfile
@@ -226,10 +227,12 @@ def evaluate(c: ScaleConfig, work: Path, device, result: dict) -> None:
             rows = sh.block_rows(work / "target", sh.zero_conditioner_copy(work / "drafter", Path(tmp)),
                                  train[-c.headroom_prompts:], c.headroom_new_tokens, 123, device=device)
         return sh.analyse(rows)
-    _step(result, "headroom", headroom)
+    _step(result, "headroom", headroom, save)
 
 
-def run(result: dict, c: ScaleConfig, work: Path, device: torch.device) -> None:
+def run(result: dict, c: ScaleConfig, work: Path, device: torch.device, save=None) -> None:
+    """`save()` rewrites the report: called after every stage, so a timeout keeps what was measured."""
+    save = save or (lambda: None)
     result["config"] = c.to_dict()
     result["work_dir"] = str(work)
     torch.backends.cuda.matmul.allow_tf32 = True  # training: TF32 where fp32 remains (bf16 autocast elsewhere)
@@ -237,6 +240,7 @@ def run(result: dict, c: ScaleConfig, work: Path, device: torch.device) -> None:
     t = time.perf_counter()
     tok, train_stream, eval_stream = build_data(c, work, result)
     result.setdefault("seconds", {})["data"] = round(time.perf_counter() - t, 2)
+    save()
     for name, fn in (("target", lambda: train_target(c, tok, train_stream, eval_stream, work, device, result)),
                      ("dflash", lambda: train_drafter(c, work, device, result)),
                      ("conditioner", lambda: train_conditioner(c, work, device, result))):
@@ -244,7 +248,8 @@ def run(result: dict, c: ScaleConfig, work: Path, device: torch.device) -> None:
         fn()
         result["seconds"][name] = round(time.perf_counter() - t, 2)
         log(f"scale/{name}: {result['seconds'][name]:.1f}s")
-    evaluate(c, work, device, result)
+        save()
+    evaluate(c, work, device, result, save)
     if result.get("errors"):
         raise RuntimeError(f"scale sub-steps failed: {result['errors']}")
 

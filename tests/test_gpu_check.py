@@ -1,0 +1,53 @@
+"""scripts/gpu_check.sh --dry-run: every section of the prepared GPU check runs on CPU at toy sizes.
+
+The carried pair is a random tiny pair (with a random conditioner) and its CPU reference is made here, so
+the parity section must find identical outputs for every mode, and bf16 dflash/retrace must equal bf16 AR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import write_drafter, write_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    from retrace.gpucheck import reference
+
+    zoo = tmp_path / "carry" / "zoo"
+    write_target(zoo / "target", vocab=128, hidden=64, layers=2)
+    write_drafter(zoo / "drafter", zoo / "target", block_size=8, conditioner="random")
+    (zoo / "prompts").mkdir()
+    rows = [{"prompt_ids": [(7 * i + 3 * j) % 120 + 3 for j in range(5 + i)]} for i in range(8)]
+    (zoo / "prompts" / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ref = reference.build(zoo, n_prompts=8, max_new_tokens=12)
+    (tmp_path / "carry" / "cpu_reference.json").write_text(json.dumps(ref))
+
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--dry-run", "--carry",
+                           str(tmp_path / "carry"), "--work", str(tmp_path / "work")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "gpu_check.json").read_text())
+    for name in ("environment", "parity", "kernels", "scale"):
+        sec = data["sections"][name]
+        assert sec["status"] == "ok", (name, sec.get("error"), sec.get("traceback"))
+    par = data["sections"]["parity"]["result"]
+    assert par["checks"] == {"fp32_all_modes_equal_cpu": True, "fp32_lossless_vs_device_ar": True,
+                             "bf16_lossless_vs_device_ar": True}
+    assert all(e["vs_cpu"]["identical"] == 8 for e in par["fp32"].values())
+    ker = data["sections"]["kernels"]["result"]
+    assert ker["interpret"] and ker["all_ok"] and ker["cases"]
+    sc = data["sections"]["scale"]["result"]
+    assert sc["lossless"]["retrace_equals_ar"] and sc["lossless"]["dflash_equals_ar"]
+    assert sc["tau_T0"]["outputs_equal"] and sc["tau_T0"]["paired"]["n"] == sc["config"]["eval_prompts"]
+    assert "oracle_mem" in sc["headroom"]["tau_B"]
+    assert (out / "gpu_check.md").read_text().startswith("# gpu_check")
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md"]  # the scratch is elsewhere
