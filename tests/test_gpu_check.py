@@ -40,9 +40,11 @@ def test_gpu_check_dry_run(tmp_path):
         sec = data["sections"][name]
         assert sec["status"] == "ok", (name, sec.get("error"), sec.get("traceback"))
     par = data["sections"]["parity"]["result"]
-    assert par["checks"] == {"fp32_all_modes_equal_cpu": True, "fp32_lossless_vs_device_ar": True,
-                             "bf16_lossless_vs_device_ar": True}
+    assert par["checks"]["fp32_all_modes_equal_cpu"] and par["checks"]["fp32_lossless_vs_device_ar"]
     assert all(e["vs_cpu"]["identical"] == 8 for e in par["fp32"].values())
+    # bf16 is reported, not asserted: a 16-token verify and a 1-token decode round differently in bf16, and a
+    # random pair's near-tied logits flip on that (the trained zoo pair gave 8/8)
+    assert {e["vs_device_ar"]["n"] for k, e in par["bf16"].items() if not k.startswith("ar_")} == {8}
     ker = data["sections"]["kernels"]["result"]
     assert ker["interpret"] and ker["all_ok"] and ker["cases"]
     sc = data["sections"]["scale"]["result"]

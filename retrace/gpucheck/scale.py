@@ -192,12 +192,13 @@ def evaluate(c: ScaleConfig, work: Path, device, result: dict, save=None) -> Non
     torch.backends.cuda.matmul.allow_tf32 = False  # decoding in fp32 proper: near-ties must not flip
     target, drafter = decode.load(work, torch.float32, device)
     prompts = decode.held_out_prompts(work, c.eval_prompts)
+    modes = ("dflash", "retrace") if drafter.conditioner is not None else ("dflash",)
     for T in c.temperatures:
         def tau_at(T=T):
-            rep = tau_by_mode(target, drafter, prompts, ("dflash", "retrace"), c.eval_new_tokens, T, None,
-                              c.eval_batch, c.seed, device)
-            log(f"scale: T={T:g} dflash {rep['modes']['dflash']['tau']} retrace {rep['modes']['retrace']['tau']} "
-                f"paired {rep['paired']}")
+            rep = tau_by_mode(target, drafter, prompts, modes, c.eval_new_tokens, T, None, c.eval_batch, c.seed,
+                              device)
+            log(f"scale: T={T:g} " + ", ".join(f"{m} {v['tau']}" for m, v in rep["modes"].items())
+                + f", paired {rep.get('paired')}")
             return rep
         _step(result, f"tau_T{T:g}", tau_at, save)
 
@@ -206,14 +207,13 @@ def evaluate(c: ScaleConfig, work: Path, device, result: dict, save=None) -> Non
         B = drafter.config.block_size
         max_len = max(len(p) for p in prompts[:n]) + c.eval_new_tokens + B + 2
         outs = {}
-        for mode in ("ar", "dflash", "retrace"):
+        for mode in ("ar", *modes):
             rolls, _ = run_requests(make_backend(target, drafter, n, max_len, device), prompts[:n], mode,
                                     c.eval_new_tokens, 0.0, c.seed)
             outs[mode] = [r.output_ids for r in rolls]
-        return {"prompts": n, "dflash_equals_ar": outs["dflash"] == outs["ar"],
-                "retrace_equals_ar": outs["retrace"] == outs["ar"],
+        return {"prompts": n, **{f"{m}_equals_ar": outs[m] == outs["ar"] for m in modes},
                 "identical_prompts": {m: sum(a == b for a, b in zip(outs[m], outs["ar"], strict=True))
-                                      for m in ("dflash", "retrace")}}
+                                      for m in modes}}
     _step(result, "lossless", lossless, save)
 
     def headroom():
@@ -242,13 +242,14 @@ def run(result: dict, c: ScaleConfig, work: Path, device: torch.device, save=Non
     result.setdefault("seconds", {})["data"] = round(time.perf_counter() - t, 2)
     save()
     for name, fn in (("target", lambda: train_target(c, tok, train_stream, eval_stream, work, device, result)),
-                     ("dflash", lambda: train_drafter(c, work, device, result)),
-                     ("conditioner", lambda: train_conditioner(c, work, device, result))):
+                     ("dflash", lambda: train_drafter(c, work, device, result))):
         t = time.perf_counter()
-        fn()
+        fn()  # nothing after these can run without them: their errors end the section
         result["seconds"][name] = round(time.perf_counter() - t, 2)
         log(f"scale/{name}: {result['seconds'][name]:.1f}s")
         save()
+    # without a conditioner the evaluation still measures dflash and the headroom oracles
+    _step(result, "conditioner_stage", lambda: train_conditioner(c, work, device, result), save)
     evaluate(c, work, device, result, save)
     if result.get("errors"):
         raise RuntimeError(f"scale sub-steps failed: {result['errors']}")
