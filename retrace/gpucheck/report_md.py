@@ -53,8 +53,8 @@ def render(data: dict) -> str:
             r = sc[key]
             if "modes" in r:
                 p = r.get("paired", {})
-                lines.append(f"- {key}: dflash {_f(r['modes']['dflash']['tau'])}, retrace "
-                             f"{_f(r['modes']['retrace']['tau'])}, paired diff {_f(p.get('mean_diff'))} +- "
+                taus = ", ".join(f"{m} {_f(v.get('tau'))}" for m, v in r["modes"].items())
+                lines.append(f"- {key}: {taus}, paired diff {_f(p.get('mean_diff'))} +- "
                              f"{_f(p.get('se'))} (n={p.get('n')})")
         if "lossless" in sc:
             lines.append(f"- lossless: {sc['lossless']}")

@@ -65,9 +65,11 @@ def _cuda_impl():
 
 def gated_suffix_fusion(*args, **kwargs) -> torch.Tensor:
     """Dispatch point used by the models: the Triton kernels for CUDA tensors when triton is installed
-    and no gradient is needed (the kernels have no backward), else the reference."""
+    and no gradient is needed (the kernels have no backward) and autocast is off (the kernels take one dtype;
+    autocast hands them mixed ones), else the reference."""
     x = args[0] if args else kwargs["x"]
-    if x.is_cuda and not (torch.is_grad_enabled() and _any_requires_grad(args, kwargs)):
+    if (x.is_cuda and not torch.is_autocast_enabled("cuda")
+            and not (torch.is_grad_enabled() and _any_requires_grad(args, kwargs))):
         return _cuda_impl()(*args, **kwargs)
     return gated_suffix_fusion_reference(*args, **kwargs)
 

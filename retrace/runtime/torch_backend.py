@@ -29,7 +29,7 @@ class KVCache:
               new_v: list[torch.Tensor]) -> None:
         rows = slots[:, None]
         for cache, new in zip(self.k + self.v, new_k + new_v, strict=True):
-            cache[rows, :, positions] = new.transpose(1, 2)  # [N, T, Hkv, hd] at (slot, position)
+            cache[rows, :, positions] = new.transpose(1, 2).to(cache.dtype)  # [N, T, Hkv, hd] at (slot, position)
 
 
 class TorchBackend:
@@ -56,7 +56,7 @@ class TorchBackend:
             if drafter is not None:
                 dc = drafter.config.layers
                 self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads, max_seq_len,
-                                      dc.head_dim, dtype)
+                                      dc.head_dim, drafter.fc.weight.dtype)
 
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype = torch.float32,

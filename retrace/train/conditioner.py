@@ -206,7 +206,7 @@ def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: i
             bl.merge_stats(tot["d"], bl.block_loss(ld, labels, weights, bw)[1])
             v = (suffix.valid[:, :, 1:] * bw.unsqueeze(-1)) > 0  # slots 1..B-1
             present = (labels != bl.IGNORE) & (bw.unsqueeze(-1) > 0)
-            mem_tok = drafter.target.logits(suffix.memory[:, :, 1:].to(drafter.fc.weight.dtype)).argmax(-1)
+            mem_tok = drafter.target.logits(suffix.memory[:, :, 1:].to(drafter.target.lm_head.weight.dtype)).argmax(-1)
             fresh, ret = ld.argmax(-1), lr_.argmax(-1)
             mem_ok, fresh_ok, ret_ok = mem_tok == labels, fresh == labels, ret == labels
             vp = v & present
