@@ -139,7 +139,6 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
     if mode not in MODES:
         raise RetraceError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     check_finite(temperature, "--temperature", low=0.0)
-    check_finite(top_p, "--top-p", low=0.0, high=1.0)
     check_seed(seed)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))

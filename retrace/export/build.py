@@ -195,7 +195,7 @@ def _validate(opts: BuildOptions):
     if opts.drafter is not None:
         dcfg = DrafterConfig.from_dir(opts.drafter)
         dcfg.check_fits(tcfg, opts.drafter / "config.json")
-        block = opts.block_size or dcfg.block_size
+        block = dcfg.block_size if opts.block_size is None else opts.block_size
         if not 2 <= block <= dcfg.block_size:
             raise BuildError(f"--block-size {block} must be in 2..{dcfg.block_size} (the drafter's block_size)")
         if block + 1 >= opts.max_seq_len:
