@@ -104,7 +104,8 @@ def check_output(out: str | Path, kind: str, force: bool, legacy: Legacy | None 
         raise OutputDirError(f"{out} holds a retrace {k}, not {_a(what)}; refusing to replace it even with --force: "
                              "choose another output path")
     if not is_owned(out, kind, legacy):
-        raise OutputDirError(f"{out} exists and is not {_a(what)} written by retrace (it has files of its own); "
+        raise OutputDirError(f"{out} exists and is not {_a(what)} written by retrace (no owner marker {MARKER}, "
+                             "and it holds more than such output); "
                              "refusing to replace it even with --force: choose another output path or empty it")
     if not force:
         raise OutputDirError(f"{out} already exists; {exists_hint} ({_a(what)} retrace wrote)")

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,21 @@ def test_build_force_refuses_a_project_with_a_copied_manifest(tiny_pair, tmp_pat
     res = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "nb"), "--force", "--triton-repo", str(proj)])
     assert res.exit_code == 2 and "not a Triton model repository written by retrace" in res.output
     assert not (tmp_path / "nb").exists()
+
+
+def test_zoo_sigterm_leaves_nothing_and_a_rerun_sweeps_what_a_kill_left(tmp_path):
+    out = tmp_path / "z"
+    killed = tmp_path / ".z.tmp-999999999-abcd1234"  # what a SIGKILLed older zoo left behind
+    killed.mkdir()
+    code = "import sys; from retrace.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", code, "zoo", "tiny", "--size", "test", "--out", str(out),
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".z.retrace-tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()
+    assert not killed.exists()  # swept before building
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert not out.exists() and not siblings(out)
