@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from retrace.cli import main
@@ -103,3 +104,17 @@ def test_build_refuses_bad_values_before_exporting(pair, tmp_path, extra, needle
                                            str(pair.drafter_dir), "--out", str(tmp_path / "b"), "-q", *extra])
     one_line_error(res, needle)
     assert not (tmp_path / "b").exists()
+
+
+def test_integer_weights_in_a_float_checkpoint_are_refused(pair):
+    from safetensors.torch import load_file, save_file
+
+    path = next(pair.target_dir.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    name = next(k for k in tensors if k.endswith("norm.weight"))
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    res = CliRunner().invoke(main, ["generate", "--target", str(pair.target_dir), "--mode", "ar",
+                                    "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+    one_line_error(res, "non-floating-point weights")
+    assert name in res.output

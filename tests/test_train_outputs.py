@@ -123,3 +123,13 @@ def test_cli_refuses_before_loading_anything_and_prints_the_interrupt_account(tm
     res = CliRunner().invoke(main, [*args, "--force"])
     assert res.exit_code == 130 and "interrupted: wrote model.safetensors" in res.output
     assert "nothing was written" not in res.output
+
+
+def test_a_full_disk_during_training_is_a_clear_error(tmp_path):
+    import errno
+
+    d = finished_drafter(tmp_path / "d")
+    with pytest.raises(RetraceError, match="no space left on the device.*wrote model.safetensors"):
+        with outputs.report_interrupt(d):
+            (d / "model.safetensors").write_bytes(b"part")
+            raise OSError(errno.ENOSPC, "No space left on device")

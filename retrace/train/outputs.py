@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from retrace.errors import RetraceError
-from retrace.output_dir import MARKER, claim_in_place, sigterm_as_interrupt, sweep_stale
+from retrace.output_dir import MARKER, claim_in_place, no_space, sigterm_as_interrupt, sweep_stale
 
 KIND = "drafter"
 CONDITIONER_FILES = ("retrace_config.json", "retrace.safetensors", "conditioner_train.json")
@@ -110,7 +110,7 @@ def describe_changes(out: Path, before: dict[str, tuple[int, int]]) -> str:
 @contextlib.contextmanager
 def report_interrupt(out: Path) -> Iterator[None]:
     """SIGTERM behaves like Ctrl-C; the KeyboardInterrupt carries `retrace_message` saying what was written
-    (retrace.cli_errors prints it)."""
+    (retrace.cli_errors prints it). A full disk becomes a RetraceError that says the same."""
     before = snapshot(out)
     try:
         with sigterm_as_interrupt():
@@ -118,3 +118,8 @@ def report_interrupt(out: Path) -> Iterator[None]:
     except KeyboardInterrupt as e:
         e.retrace_message = describe_changes(out, before)
         raise
+    except Exception as e:
+        if not no_space(e):
+            raise
+        wrote = describe_changes(out, before).replace("interrupted: ", "")
+        raise RetraceError(f"no space left on the device while training into {out} ({e}); {wrote}") from None
