@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
+from retrace.cli_checks import check_finite, check_seed, check_text, check_threads  # noqa: E402
 from retrace.cli_errors import cli_errors  # noqa: E402
 from retrace.errors import RetraceError  # noqa: E402
 
@@ -44,6 +45,7 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
     if sum(given) != 1:
         raise RetraceError("give exactly one of --prompt, --prompt-ids, --prompts-file")
     if prompt is not None:
+        check_text(prompt, "--prompt")
         return [prompt]
     if prompt_ids is not None:
         try:
@@ -61,9 +63,11 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
     """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch)."""
     from retrace.runtime import Runtime
 
-    for name, value in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len), ("--threads", threads)):
+    for name, value in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len), ("--threads", threads),
+                        ("--block-size", block_size)):
         if value is not None and value <= 0:
             raise RetraceError(f"{name} must be positive, got {value}")
+    check_threads(threads)
     if engine is not None:
         if target or drafter:
             raise RetraceError("give either --engine or --target/--drafter, not both")
@@ -72,8 +76,13 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
                                    max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, **extra)
     if target is None:
         raise RetraceError("give --target (and --drafter) or --engine")
+    from retrace.models.config import Qwen3Config
+
+    max_pos = Qwen3Config.from_dir(target).max_position_embeddings
+    if max_seq_len is not None and max_seq_len > max_pos:
+        raise RetraceError(f"--max-seq-len {max_seq_len} exceeds the target's max_position_embeddings {max_pos}")
     return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch or 8,
-                             max_seq_len=max_seq_len or 2048, block_size=block_size, threads=threads)
+                             max_seq_len=max_seq_len or min(2048, max_pos), block_size=block_size, threads=threads)
 
 
 def runtime_options(fn):
@@ -129,6 +138,8 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
 
     if mode not in MODES:
         raise RetraceError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    check_finite(temperature, "--temperature", low=0.0)
+    check_seed(seed)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)

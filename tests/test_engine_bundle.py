@@ -132,10 +132,11 @@ def test_inspect_prints_manifest_and_verifies(tmp_path):
     assert js.exit_code == 0
     parsed = json.loads(js.stdout)
     assert parsed["limits"]["block_size"] == 4 and set(parsed["verification"].values()) == {"ok"}
-    # an extra file is a warning, a changed one an error (exit 1)
+    # an extra file is an error too (the bundle is exactly what its manifest lists), as is a changed one
     (b / "stray.txt").write_text("hi")
     res = CliRunner().invoke(export_main, ["inspect", str(b)])
-    assert res.exit_code == 0 and "not in the manifest: stray.txt" in res.output
+    assert res.exit_code == 1 and "not in the manifest: stray.txt" in res.output
+    (b / "stray.txt").unlink()
     f = b / "tokenizer" / "tokenizer.json"
     f.write_text("{ }")  # different content, different size
     res = CliRunner().invoke(export_main, ["inspect", str(b)])

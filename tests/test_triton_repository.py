@@ -126,7 +126,7 @@ def test_write_repository_layout(tmp_path):
         write_repository(bundle, repo, model_name="m1")
     repo2 = write_repository(bundle, repo, model_name="m2", copy_bundle=False, vendor_package=False,
                              force=True, pythonpath=[tmp_path])
-    assert sorted(p.name for p in repo2.iterdir()) == ["m2"]
+    assert sorted(p.name for p in repo2.iterdir()) == [".retrace-output.json", "m2"]  # + the owner marker
     cfg2 = (repo2 / "m2" / "config.pbtxt").read_text()
     assert f'string_value: "{bundle}"' in cfg2 and "EXECUTION_ENV_PATH" not in cfg2
     assert f'key: "RETRACE_PYTHONPATH" value: {{ string_value: "{tmp_path}" }}' in cfg2

@@ -8,7 +8,11 @@
       tokenizer/               tokenizer.json etc. copied from the target directory (when present)
 
 Readers refuse a manifest whose `format_version` they do not know, and (by default) a bundle whose files
-do not match their recorded sha256. Nothing here imports torch or onnxruntime.
+do not match their recorded sha256. The manifest itself is covered too (`manifest_problems`): every path in
+it must stay inside the bundle, every graph, weights-data, tokenizer and engine file it names must have a
+`files` entry, no file may sit in the bundle without one, and `manifest_sha256` (the sha256 of the
+manifest's canonical JSON without that key) must match when present (bundles from before it lack it).
+Nothing here imports torch or onnxruntime.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from retrace.errors import RetraceError
 
 MANIFEST = "manifest.json"
+OWNER_MARKER = ".retrace-output.json"  # retrace.output_dir.MARKER: not part of the bundle's content
 FORMAT = "retrace-engine-bundle"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -99,7 +104,7 @@ def bundle_files(root: str | Path) -> list[str]:
         for name in files:
             p = Path(dirpath) / name
             rel = p.relative_to(root).as_posix()
-            if rel != MANIFEST:
+            if rel not in (MANIFEST, OWNER_MARKER):
                 out.append(rel)
     return sorted(out)
 
@@ -129,6 +134,8 @@ def write_manifest(root: str | Path, manifest: dict) -> dict:
     manifest["format"] = FORMAT
     manifest["format_version"] = FORMAT_VERSION
     manifest["files"] = hash_files(root, bundle_files(root))
+    manifest.pop("manifest_sha256", None)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     return manifest
 
@@ -158,10 +165,99 @@ def read_manifest(root: str | Path) -> dict:
     return m
 
 
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON (sorted keys, no whitespace), `manifest_sha256` left out."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _inside(root: Path, rel) -> bool:
+    """rel is a relative path that, symlinks resolved, stays inside root."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        return False
+    p = Path(rel)
+    if p.is_absolute() or ".." in p.parts:
+        return False
+    try:
+        (root / p).resolve().relative_to(root.resolve())
+    except (ValueError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def manifest_problems(root: str | Path, manifest: dict) -> list[str]:
+    """What in the manifest itself cannot be trusted (empty: none). See the module docstring."""
+    root = Path(root)
+    files = manifest.get("files") or {}
+    out: list[str] = []
+    want = manifest.get("manifest_sha256")
+    if want is not None and want != manifest_digest(manifest):
+        out.append(f"{MANIFEST} was edited after the build (manifest_sha256 does not match its content)")
+    for rel in files:
+        if not _inside(root, rel):
+            out.append(f"files entry {rel!r} points outside the bundle")
+
+    def need(rel, what: str) -> None:
+        if not _inside(root, rel):
+            out.append(f"{what} {rel!r} is not a path inside the bundle")
+        elif rel not in files:
+            out.append(f"{what} {rel!r} has no files entry (its sha256 is not recorded)")
+
+    graphs = manifest.get("graphs") or {}
+    if not isinstance(graphs, dict):
+        out.append("'graphs' is not a table")
+        graphs = {}
+    for name, g in graphs.items():
+        if not isinstance(g, dict):
+            out.append(f"graphs.{name} is not a table")
+            continue
+        need(g.get("path"), f"graphs.{name}.path")
+        if g.get("data") is not None:
+            need(g.get("data"), f"graphs.{name}.data")
+        elif isinstance(g.get("path"), str):  # weights beside the graph are always external: both are listed
+            data = g["path"] + ".data"
+            if (root / data).exists() or os.path.lexists(root / data):
+                need(data, f"graphs.{name} weights")
+    tok = manifest.get("tokenizer")
+    if tok:
+        d = tok.get("dir") if isinstance(tok, dict) else None
+        if not _inside(root, d):
+            out.append(f"tokenizer.dir {d!r} is not a directory inside the bundle")
+        else:
+            for n in tok.get("files") or []:
+                need(f"{d}/{n}", "tokenizer file")
+    for eng, info in (manifest.get("engines") or {}).items():
+        for key, rel in (info or {}).items() if isinstance(info, dict) else ():
+            if key == "dir":
+                if not _inside(root, rel):
+                    out.append(f"engines.{eng}.dir {rel!r} is not a directory inside the bundle")
+            elif key != "notes" and isinstance(rel, str):
+                need(rel, f"engines.{eng}.{key}")
+    limits = manifest.get("limits")
+    if limits is not None:
+        if not isinstance(limits, dict):
+            out.append("'limits' is not a table")
+        else:
+            for k in ("max_batch", "max_seq_len"):
+                if k in limits and not _positive_int(limits[k]):
+                    out.append(f"limits.{k} must be a positive integer, got {limits[k]!r}")
+            if limits.get("block_size") is not None and not _positive_int(limits["block_size"]):
+                out.append(f"limits.block_size must be a positive integer or null, got {limits['block_size']!r}")
+    target = (manifest.get("models") or {}).get("target") if isinstance(manifest.get("models"), dict) else None
+    if graphs.get("target") is not None and not (isinstance(target, dict) and isinstance(target.get("config"), dict)):
+        out.append("models.target.config (the target's config.json) is missing")
+    return out
+
+
 @dataclass
 class FileCheck:
     path: str
-    status: str  # "ok" | "missing" | "size" | "sha256" | "unlisted" | "unchecked"
+    status: str  # "ok" | "missing" | "outside" | "size" | "sha256" | "unlisted" | "unchecked"
     expected: str | None = None
     actual: str | None = None
     detail: str | None = None
@@ -180,8 +276,8 @@ def check_files(root: str | Path, manifest: dict, full: bool = True) -> list[Fil
     to_hash = []
     for rel, meta in listed.items():
         p = root / rel
-        if ".." in Path(rel).parts or Path(rel).is_absolute():
-            out[rel] = FileCheck(rel, "missing", expected="a path inside the bundle")
+        if not _inside(root, rel):
+            out[rel] = FileCheck(rel, "outside", expected="a path inside the bundle")
         elif not p.is_file():
             out[rel] = FileCheck(rel, "missing")
         elif p.stat().st_size != meta.get("size"):
@@ -229,19 +325,36 @@ def _verify_digests(root: Path, entries: dict[str, dict]) -> dict[str, FileCheck
 
 
 def verify(root: str | Path, manifest: dict | None = None, full: bool = True) -> dict:
-    """Raise BundleError naming every file that does not match; returns the manifest."""
+    """Raise BundleError naming every file that does not match, every file not in the manifest and every
+    problem of the manifest itself (manifest_problems); returns the manifest."""
     manifest = read_manifest(root) if manifest is None else manifest
-    bad = [c for c in check_files(root, manifest, full=full) if not c.ok and c.status != "unlisted"]
-    if bad:
-        what = "; ".join(_describe(c) for c in bad[:6]) + (" ..." if len(bad) > 6 else "")
+    problems = manifest_problems(root, manifest)
+    bad = [c for c in check_files(root, manifest, full=full) if not c.ok]
+    if problems or bad:
+        items = problems + [_describe(c) for c in bad]
+        what = "; ".join(items[:6]) + (" ..." if len(items) > 6 else "")
         raise BundleError(f"{root}: engine bundle does not match its manifest ({what}). It was modified or "
                           "copied incompletely: rebuild it with retrace-export build (--force)")
     return manifest
 
 
+def is_complete_bundle(root: str | Path) -> bool:
+    """True when root is a bundle that verifies completely (every hash) and holds nothing but the files its
+    manifest lists: the test for replacing, with --force, a bundle built before owner markers existed."""
+    try:
+        verify(root, full=True)
+    except (RetraceError, OSError):
+        return False
+    return True
+
+
 def _describe(c: FileCheck) -> str:
     if c.status == "missing":
         return f"{c.path} is missing"
+    if c.status == "outside":
+        return f"{c.path} is outside the bundle"
+    if c.status == "unlisted":
+        return f"{c.path} is not in the manifest"
     if c.status == "size":
         return f"{c.path} has {c.actual} bytes, manifest says {c.expected}"
     if c.status == "sha256":
@@ -285,7 +398,10 @@ class Bundle:
         g = self.graph(name)
         if g is None:
             raise BundleError(f"{self.root}: bundle has no {name} graph")
-        return self.root / g["path"]
+        rel = g.get("path")
+        if not _inside(self.root, rel) or rel not in self.manifest.get("files", {}):
+            raise BundleError(f"{self.root}: graphs.{name}.path {rel!r} is not a listed file inside the bundle")
+        return self.root / rel
 
     def model(self, name: str) -> dict | None:
         return (self.manifest.get("models") or {}).get(name)
@@ -293,4 +409,8 @@ class Bundle:
     @property
     def tokenizer_dir(self) -> Path | None:
         t = self.manifest.get("tokenizer")
-        return self.root / t["dir"] if t else None
+        if not t:
+            return None
+        if not _inside(self.root, t.get("dir")):
+            raise BundleError(f"{self.root}: tokenizer.dir {t.get('dir')!r} is not inside the bundle")
+        return self.root / t["dir"]

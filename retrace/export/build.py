@@ -5,11 +5,12 @@ drafter graph, onnx.checker + structure checks, ONNX Runtime parity against torc
 stage (none for onnxruntime; `retrace.export.tensorrt:build_tensorrt` for tensorrt), tokenizer, hashes
 and manifest, then the rename into place.
 
-Atomicity: everything is written to a hidden temp directory beside the output (`.NAME.building-PID-XXXX`)
-and renamed to the output path at the very end. Any error, Ctrl-C or SIGTERM removes the temp directory,
-so the output path either keeps what it had before or holds a complete, verified bundle. An existing
-output is replaced only with `force=True`, and only if it is a bundle or an empty directory (never some
-other directory given by mistake).
+Atomicity and ownership follow retrace.output_dir (kind "engine-bundle"): everything is written to a
+hidden temp sibling and renamed to the output path at the very end. Any error, Ctrl-C, SIGTERM or a full
+disk removes the temp directory, so the output path either keeps what it had before or holds a complete,
+verified bundle. An existing output is replaced only with `force=True`, and only if it is a bundle this
+tool wrote (its owner marker), or a marker-less bundle that verifies completely and holds nothing but its
+manifest's files (built before markers existed); an empty directory is free. Never some other directory.
 
 Extension point for other backends: BACKEND_HOOKS maps a backend name to "module:function"; the function
 is called as `fn(ctx: BuildContext)` after the ONNX graphs are written, checked and parity-tested, inside
@@ -24,19 +25,19 @@ import contextlib
 import dataclasses
 import datetime
 import importlib
+import math
 import os
-import re
 import shutil
-import signal
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrace.engines.bundle import FORMAT, MANIFEST, read_manifest, retrace_version, write_manifest
+from retrace.engines.bundle import FORMAT, is_complete_bundle, retrace_version, write_manifest
 from retrace.errors import MissingDependencyError, RetraceError
-from retrace.staging import remove_orphaned
+from retrace.output_dir import check_output, staged_output
+
+KIND = "engine-bundle"  # the owner-marker kind (retrace.output_dir)
 
 # backend -> "module:function" run after the ONNX stages (None: the ONNX graphs are the engine)
 BACKEND_HOOKS: dict[str, str | None] = {
@@ -137,73 +138,8 @@ class Reporter:
 
 
 # -- output path handling -------------------------------------------------------------------------------------
-_STAGING_RE = re.compile(r"^\.(?P<name>.+)\.(building|replaced)-(?P<pid>\d+)-")
-
-
-def _is_replaceable(path: Path) -> bool:
-    """True for an empty directory or a directory holding a retrace bundle manifest."""
-    if not path.is_dir():
-        return False
-    if not any(path.iterdir()):
-        return True
-    try:
-        read_manifest(path)
-        return True
-    except RetraceError:
-        m = path / MANIFEST
-        return m.is_file() and FORMAT in m.read_text(errors="replace")[:4096]
-
-
 def _check_output(out: Path, force: bool) -> None:
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise BuildError(f"{out} already exists; pass --force to replace it")
-        if not _is_replaceable(out):
-            raise BuildError(f"{out} exists and is not an engine bundle (or an empty directory); refusing to "
-                             "replace it even with --force: choose another --out")
-
-
-def _clean_stale(parent: Path, name: str) -> None:
-    """Remove temp directories of builds of the same output that were killed (their PID is gone)."""
-    found = []
-    for p in parent.glob(f".{name}.*-*"):
-        m = _STAGING_RE.match(p.name)
-        if m and m.group("name") == name and p.is_dir():
-            found.append((p, int(m.group("pid"))))
-    remove_orphaned(found)
-
-
-def _swap_into_place(staging: Path, out: Path, force: bool) -> None:
-    if not (out.exists() or out.is_symlink()):
-        os.rename(staging, out)
-        return
-    _check_output(out, force)  # re-check: something may have appeared during the build
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-{os.getpid()}-", dir=out.parent))
-    old.rmdir()
-    os.rename(out, old)
-    try:
-        os.rename(staging, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM (e.g. a CI timeout) cleans up like Ctrl-C does."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    check_output(out, KIND, force, is_complete_bundle, "engine bundle")
 
 
 # -- the build -----------------------------------------------------------------------------------------------
@@ -243,6 +179,8 @@ def _validate(opts: BuildOptions):
         raise BuildError(f"unknown dtype {opts.dtype!r} (choose from {', '.join(DTYPES)})")
     if opts.max_batch < 1:
         raise BuildError(f"--max-batch must be >= 1, got {opts.max_batch}")
+    if opts.tolerance is not None and not (math.isfinite(opts.tolerance) and opts.tolerance >= 0):
+        raise BuildError(f"--tolerance must be a finite number >= 0, got {opts.tolerance}")
     if opts.attention not in ("native", "decomposed"):
         raise BuildError(f"unknown attention form {opts.attention!r} (native or decomposed)")
     tcfg = Qwen3Config.from_dir(opts.target)
@@ -257,7 +195,7 @@ def _validate(opts: BuildOptions):
     if opts.drafter is not None:
         dcfg = DrafterConfig.from_dir(opts.drafter)
         dcfg.check_fits(tcfg, opts.drafter / "config.json")
-        block = opts.block_size or dcfg.block_size
+        block = dcfg.block_size if opts.block_size is None else opts.block_size
         if not 2 <= block <= dcfg.block_size:
             raise BuildError(f"--block-size {block} must be in 2..{dcfg.block_size} (the drafter's block_size)")
         if block + 1 >= opts.max_seq_len:
@@ -281,17 +219,9 @@ def build_bundle(opts: BuildOptions, reporter: Reporter | None = None) -> BuildR
     with reporter.stage("check inputs"):
         tcfg, dcfg = _validate(opts)
         _check_output(out, opts.force)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale(out.parent, out.name)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-{os.getpid()}-", dir=out.parent))
-    try:
-        with _sigterm_as_interrupt():
-            manifest = _build_into(staging, opts, tcfg, dcfg, hook, reporter)
-            with reporter.stage("move into place"):
-                _swap_into_place(staging, out, opts.force)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with staged_output(out, KIND, opts.force, is_complete_bundle, "engine bundle",
+                       installing=lambda: reporter.stage("move into place")) as staging:
+        manifest = _build_into(staging, opts, tcfg, dcfg, hook, reporter)
     return BuildResult(out, manifest, time.perf_counter() - t_start, list(reporter.stages))
 
 

@@ -53,7 +53,8 @@ def _backends() -> list[str]:
               help="parity tolerance on logits (default 1e-4 float32, 3e-2 float16; scaled by max(1, max|logit|))")
 @click.option("--conditioner/--no-conditioner", default=True, show_default=True,
               help="include the drafter directory's ReTrace conditioner (--no-conditioner: a DFlash-only bundle)")
-@click.option("--force", is_flag=True, help="replace an existing bundle at --out (and --triton-repo)")
+@click.option("--force", is_flag=True, help="replace an existing bundle at --out (and repository at --triton-repo) "
+              "that retrace wrote; any other non-empty directory is refused")
 @click.option("--quiet", "-q", is_flag=True, help="no progress output (the summary is still printed)")
 @click.option("--triton-repo", type=click.Path(path_type=Path), default=None,
               help="also write a Triton Inference Server model repository for the bundle here")
@@ -69,6 +70,11 @@ def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_si
     from retrace.export.build import BuildOptions, Reporter, build_bundle
 
     console = Console(stderr=True)
+    if triton_repo is not None:  # refuse a repository path we may not write before the (long) build
+        from retrace.export.triton.repository import KIND, is_legacy_repository
+        from retrace.output_dir import check_output
+
+        check_output(Path(triton_repo).absolute(), KIND, force, is_legacy_repository, "Triton model repository")
     opts = BuildOptions(target=target, drafter=drafter, out=out, backend=backend, dtype=dtype, max_batch=max_batch,
                         max_seq_len=max_seq_len, block_size=block_size, force=force, attention=attention,
                         tolerance=tolerance, conditioner=conditioner)
@@ -106,7 +112,8 @@ def _write_triton(bundle: Path, out: Path, model_name: str, instances: int, max_
 @click.option("--env", type=click.Path(path_type=Path), default=None,
               help="python-backend execution environment (default: build/reuse the cached numpy<2 env)")
 @click.option("--no-env", is_flag=True, help="run the model in the server's own Python (e.g. NVIDIA's container)")
-@click.option("--force", is_flag=True, help="replace an existing repository at --out")
+@click.option("--force", is_flag=True, help="replace an existing repository at --out that retrace wrote; any other "
+              "non-empty directory is refused")
 @cli_errors
 def triton(engine, out, model_name, instances, max_batch, env, no_env, force) -> None:
     """Write a Triton Inference Server model repository (python backend, decoupled/streaming) for a bundle.
@@ -155,18 +162,21 @@ def _summary(out: Path, manifest: dict, seconds: float) -> None:
 @click.option("--quick", is_flag=True, help="check file presence and sizes only (no hashing)")
 @cli_errors
 def inspect(bundle: Path, as_json: bool, quick: bool) -> None:
-    """Print a bundle's manifest and verify every file's sha256 (exit 1 on any mismatch)."""
+    """Print a bundle's manifest and verify it: every file's sha256, no file outside the manifest, and the
+    manifest itself (paths inside the bundle, every graph/data file hashed). Exit 1 on anything unverified."""
     from rich.console import Console
     from rich.table import Table
 
-    from retrace.engines.bundle import check_files, read_manifest
+    from retrace.engines.bundle import check_files, manifest_problems, read_manifest
 
     m = read_manifest(bundle)
     checks = check_files(bundle, m, full=not quick)
+    problems = manifest_problems(bundle, m)
     bad = [c for c in checks if not c.ok and c.status != "unlisted"]
     unlisted = [c for c in checks if c.status == "unlisted"]
     if as_json:
-        click.echo(json.dumps({**m, "verification": {c.path: c.status for c in checks}}, indent=2))
+        click.echo(json.dumps({**m, "verification": {c.path: c.status for c in checks},
+                               "manifest_problems": problems}, indent=2))
     else:
         console = Console()
         console.print(f"[bold]{bundle}[/bold]: {m['format']} v{m['format_version']}, retrace {m.get('retrace_version')}, "
@@ -183,9 +193,11 @@ def inspect(bundle: Path, as_json: bool, quick: bool) -> None:
         if models.get("target"):
             console.print(f"eos_token_ids: {models['target'].get('eos_token_ids')}")
         for name, g in (m.get("graphs") or {}).items():
-            console.print(f"graph {name}: {g['path']} ({g.get('nodes')} nodes, {g.get('attention')} attention, "
-                          f"opset {g.get('opset')}); inputs {', '.join(_short(g['inputs']))}; "
-                          f"outputs {', '.join(_short(g['outputs']))}")
+            if not isinstance(g, dict):
+                continue
+            console.print(f"graph {name}: {g.get('path')} ({g.get('nodes')} nodes, {g.get('attention')} attention, "
+                          f"opset {g.get('opset')}); inputs {', '.join(_short(g.get('inputs') or []))}; "
+                          f"outputs {', '.join(_short(g.get('outputs') or []))}")
         par = m.get("parity") or {}
         for name in ("target", "drafter"):
             if name in par:
@@ -200,12 +212,20 @@ def inspect(bundle: Path, as_json: bool, quick: bool) -> None:
             table.add_row(c.path, _size(meta["size"]) if meta else "-", (meta.get("sha256") or "-")[:16],
                           f"[{style}]{c.status}[/{style}]")
         console.print(table)
+    if "manifest_sha256" not in m:
+        click.echo("warning: the manifest has no manifest_sha256 (built before retrace recorded it); its paths "
+                   "and file entries were still checked", err=True)
+    for p in problems:
+        click.echo(f"error: manifest: {p}", err=True)
     if unlisted:
-        click.echo(f"warning: {len(unlisted)} file(s) not in the manifest: {', '.join(c.path for c in unlisted)}",
+        click.echo(f"error: {len(unlisted)} file(s) not in the manifest: {', '.join(c.path for c in unlisted)}",
                    err=True)
     if bad:
         click.echo(f"error: {len(bad)} file(s) do not match the manifest: "
                    + ", ".join(f"{c.path} ({c.status})" for c in bad), err=True)
+    if problems or unlisted or bad:
+        click.echo("the bundle is not verified: loading it is refused; rebuild it with retrace-export build",
+                   err=True)
         sys.exit(1)
     if not as_json:
         click.echo("all files match the manifest" + (" (sizes only: --quick)" if quick else " (sha256)"), err=True)

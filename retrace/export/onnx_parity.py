@@ -10,6 +10,7 @@ fp32 reordering alone reaches ~1e-5 relative). Taps, hidden states and K/V diffe
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -98,8 +99,14 @@ def drafter_parity(drafter: DFlashDrafter, path: str | Path, block_size: int = 1
 
 def check(results: dict[str, dict], tolerance: float, graph: str) -> float:
     """Raise ParityError for the worst case beyond tolerance; returns the worst scaled logits error."""
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ParityError(f"parity tolerance must be a finite number >= 0, got {tolerance!r}")
     worst_name, worst = None, 0.0
     for name, r in results.items():
+        if not all(math.isfinite(float(v)) for v in r.values() if isinstance(v, int | float)):
+            raise ParityError(f"{graph} graph parity check failed: non-finite values (NaN or inf) in the {name} "
+                              "case (logits, hidden states or caches). The checkpoint's weights are probably NaN/inf; "
+                              "check them (the exported graph would compute garbage)")
         err = r["logits"] / max(1.0, r["scale"])
         if err > worst:
             worst_name, worst = name, err

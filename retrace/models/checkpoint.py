@@ -62,7 +62,11 @@ def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: 
         for k in expected
         if k in tensors and tensors[k].shape != expected[k].shape
     ]
+    kinds = [f"{k}: {tensors[k].dtype}" for k in expected
+             if k in tensors and expected[k].is_floating_point() and not tensors[k].is_floating_point()]
     problems = []
+    if kinds:  # integer weights would be copied in silently as numbers, not as the floats they stand for
+        problems.append("non-floating-point weights " + "; ".join(kinds[:8]))
     if missing:
         problems.append(f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if unexpected:

@@ -36,6 +36,24 @@ def _bad_values(path: Path):
         raise CheckpointError(f"{path}: invalid value in config ({type(e).__name__}: {e})") from None
 
 
+def _count(cfg: dict, key: str, path: Path, default: int | None = None) -> int:
+    """cfg[key] as a positive integer (2048.0 is fine; 2048.5, -5, "8" and true are not)."""
+    v = cfg.get(key, default)
+    ok = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+    if not ok or int(v) < 1:
+        raise CheckpointError(f"{path}: {key}={v!r} must be a positive integer")
+    return int(v)
+
+
+def _dir(directory: str | Path, what: str) -> Path:
+    d = Path(directory)
+    if d.is_file():
+        raise CheckpointError(f"{d}: is a file; the {what} is a directory (with config.json and *.safetensors)")
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: {what} not found")
+    return d
+
+
 def _require(cfg: dict, keys: list[str], path: Path) -> None:
     missing = [k for k in keys if k not in cfg]
     if missing:
@@ -154,9 +172,9 @@ class Qwen3Config:
         eos = _int_list((generation or {}).get("eos_token_id")) or _int_list(cfg.get("eos_token_id"))
         return cls(
             layers=_layer_config(cfg, path),
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=_count(cfg, "vocab_size", path),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            max_position_embeddings=_count(cfg, "max_position_embeddings", path, 40960),
             eos_token_ids=tuple(eos),
             pad_token_id=cfg.get("pad_token_id"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -164,9 +182,7 @@ class Qwen3Config:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Qwen3Config:
-        d = Path(directory)
-        if not d.is_dir():
-            raise CheckpointError(f"{d}: target directory not found")
+        d = _dir(directory, "target directory")
         gen_path = d / "generation_config.json"
         generation = read_json(gen_path) if gen_path.is_file() else None
         with _bad_values(d / "config.json"):
@@ -223,7 +239,7 @@ class DrafterConfig:
             raise CheckpointError(f"{path}: block_size={block} must be >= 2")
         return cls(
             layers=layers,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=_count(cfg, "vocab_size", path),
             block_size=block,
             mask_token_id=int(mask_id),
             target_layer_ids=tuple(int(i) for i in ids),
@@ -233,9 +249,7 @@ class DrafterConfig:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> DrafterConfig:
-        d = Path(directory)
-        if not d.is_dir():
-            raise CheckpointError(f"{d}: drafter directory not found")
+        d = _dir(directory, "drafter directory")
         with _bad_values(d / "config.json"):
             return cls.from_dict(read_json(d / "config.json"), d / "config.json")
 

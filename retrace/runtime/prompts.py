@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from retrace.cli_checks import is_text
 from retrace.errors import RetraceError
 
 
@@ -13,8 +14,12 @@ def read_prompts_jsonl(path: str | Path) -> list[dict]:
     p = Path(path)
     if not p.is_file():
         raise RetraceError(f"{p}: prompts file not found")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RetraceError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     rows = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -23,6 +28,8 @@ def read_prompts_jsonl(path: str | Path) -> list[dict]:
             raise RetraceError(f"{p}:{n}: not valid JSON ({e})") from None
         if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "prompt_ids" in obj):
             raise RetraceError(f"{p}:{n}: each line needs a 'prompt' string or 'prompt_ids' list")
+        if isinstance(obj.get("prompt"), str) and not is_text(obj["prompt"]):
+            raise RetraceError(f"{p}:{n}: the prompt is not valid Unicode text (a lone surrogate such as \\ud800)")
         if "prompt_ids" in obj:
             ids = obj["prompt_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

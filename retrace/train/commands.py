@@ -85,11 +85,14 @@ def train() -> None:
 @click.option("--gen-workers", type=int, default=1, show_default=True, help="CPU processes for generating responses")
 @click.option("--soft-labels", is_flag=True,
               help="KL to the target's distribution at every slot instead of CE on its token (better T>0 acceptance)")
+@click.option("--force", is_flag=True, help="train a new drafter into an OUT that already holds one (replaces it, "
+              "its conditioner and its checkpoint; only in a directory retrace wrote)")
 @cli_errors
 def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_prompt_len, batch_size, blocks_per_seq,
                lr, warmup, weight_decay, grad_clip, gamma, device, bf16, threads, seed, resume, stop_after, quiet,
                as_json, out_dir, block_size, num_layers, target_layer_ids, intermediate_size, mask_token_id, init, steps,
-               grad_accum, eval_every, save_every, gen_batch, gen_temperature, gen_sample_frac, gen_workers, soft_labels) -> None:
+               grad_accum, eval_every, save_every, gen_batch, gen_temperature, gen_sample_frac, gen_workers, soft_labels,
+               force) -> None:
     """Distil a DFlash drafter from a frozen target on the target's own responses."""
     from retrace.train.dflash import DFlashConfig, train_dflash
 
@@ -106,7 +109,7 @@ def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_p
         cfg.warmup = warmup
     if weight_decay is not None:
         cfg.weight_decay = weight_decay
-    m = train_dflash(target_dir, out_dir, data, cfg, resume=resume, progress=not quiet)
+    m = train_dflash(target_dir, out_dir, data, cfg, resume=resume, progress=not quiet, force=force)
     if m.get("stopped") and not as_json:
         click.echo(f"stopped at step {m['steps']} of {steps}; continue with --resume")
         return
@@ -133,12 +136,14 @@ def dflash_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_p
 @click.option("--unfreeze-drafter", is_flag=True, help="also train the drafter (shared loss)")
 @click.option("--drafter-lr", type=float, default=1e-4, show_default=True)
 @click.option("--eval-prompts", type=int, default=32, show_default=True)
+@click.option("--force", is_flag=True, help="train a new conditioner where one already is (replaces it and its "
+              "checkpoint)")
 @cli_errors
 def conditioner_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, max_prompt_len, batch_size,
                     blocks_per_seq, lr, warmup, weight_decay, grad_clip, gamma, device, bf16, threads, seed, resume,
                     stop_after, quiet, as_json, drafter_dir, out_dir, block_size, phases, steps_per_phase, rollout_prompts,
                     rollout_batch, rollout_temperatures, gate_bias_init, reinit, unfreeze_drafter, drafter_lr,
-                    eval_prompts) -> None:
+                    eval_prompts, force) -> None:
     """Train the ReTrace conditioner on-policy on a frozen drafter and target."""
     from retrace.train.conditioner import ConditionerConfig, train_conditioner
 
@@ -155,7 +160,8 @@ def conditioner_cmd(target_dir, data, num_prompts, val_prompts, max_new_tokens, 
         cfg.warmup = warmup
     if weight_decay is not None:
         cfg.weight_decay = weight_decay
-    m = train_conditioner(target_dir, drafter_dir, data, out_dir, cfg, resume=resume, progress=not quiet)
+    m = train_conditioner(target_dir, drafter_dir, data, out_dir, cfg, resume=resume, progress=not quiet,
+                          force=force)
     if as_json:
         click.echo(json.dumps(m))
     else:
@@ -174,7 +180,8 @@ def zoo() -> None:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
 @click.option("--size", type=click.Choice(["test", "small"]), default="small", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--force", is_flag=True, help="rebuild even if the manifest matches")
+@click.option("--force", is_flag=True, help="rebuild even if the manifest matches, or replace a zoo of another "
+              "size/seed (never a directory that is not a zoo)")
 @click.option("--threads", type=int, default=None)
 @click.option("--quiet", is_flag=True)
 @cli_errors

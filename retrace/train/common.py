@@ -50,9 +50,12 @@ def autocast(device: torch.device, bf16: bool):
 
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
-    if not n:
+    from retrace.cli_checks import check_threads
+
+    if not n:  # 0 or None: leave torch's setting
         yield
         return
+    check_threads(n)
     old = torch.get_num_threads()
     torch.set_num_threads(int(n))
     try:

@@ -262,9 +262,15 @@ def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: i
 
 # -- the trainer -----------------------------------------------------------------------------------------------
 def train_conditioner(target_dir: str | Path, drafter_dir: str | Path, data: str | Path, out_dir: str | Path | None = None,
-                      cfg: ConditionerConfig | None = None, resume: bool = False, progress: bool = True) -> dict:
+                      cfg: ConditionerConfig | None = None, resume: bool = False, progress: bool = True,
+                      force: bool = False) -> dict:
+    """Train into out_dir (default: the drafter's dir; see retrace.train.outputs: force / resume)."""
+    from retrace.train import outputs
+
     cfg = cfg or ConditionerConfig()
-    with cm.torch_threads(cfg.threads):
+    out = Path(out_dir or drafter_dir)
+    outputs.prepare_conditioner_out(out, Path(drafter_dir), force, resume)
+    with outputs.report_interrupt(out), cm.torch_threads(cfg.threads):
         return _train(Path(target_dir), Path(drafter_dir), Path(data), Path(out_dir or drafter_dir), cfg, resume,
                       progress)
 

@@ -29,6 +29,7 @@ from retrace.models.target import Qwen3Target
 from retrace.runtime.tokenizer import TextCodec
 from retrace.train import blocks as bl
 from retrace.train import common as cm
+from retrace.train.outputs import drop_stale_conditioner
 from retrace.train.rollout import generate, generate_shard, make_backend, run_requests
 
 TAG = "train dflash"
@@ -362,9 +363,13 @@ def runtime_tau(target, drafter, prompts, max_new_tokens, mode, device, block_si
 
 
 def train_dflash(target_dir: str | Path, out_dir: str | Path, data: str | Path, cfg: DFlashConfig | None = None,
-                 resume: bool = False, progress: bool = True) -> dict:
+                 resume: bool = False, progress: bool = True, force: bool = False) -> dict:
+    """Train into out_dir (see retrace.train.outputs for what may be overwritten: force / resume)."""
+    from retrace.train import outputs
+
     cfg = cfg or DFlashConfig()
-    with cm.torch_threads(cfg.threads):
+    outputs.prepare_dflash_out(Path(out_dir), force, resume)
+    with outputs.report_interrupt(Path(out_dir)), cm.torch_threads(cfg.threads):
         return _train_dflash(Path(target_dir), Path(out_dir), Path(data), cfg, resume, progress)
 
 
@@ -476,8 +481,6 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
         agen.set_state(rng["anchors"])
         history = info.get("history", [])
         cm.log(progress, TAG, f"resumed at step {step}")
-    elif resume:
-        cm.log(progress, TAG, f"no checkpoint in {out}: starting fresh")
 
     cm.log(progress, TAG, f"{len(dtrain.seqs)} train / {len(dval.seqs)} val sequences, "
                           f"{sum(p.numel() for p in params.values()) / 1e6:.2f}M drafter params, B={cfg.block_size}, "
@@ -497,6 +500,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
                 "epoch": sampler.epoch, "cursor": sampler.cursor, "history": history}
         cm.save_train_state(out, params, opt, step_now, info, rng={"anchors": agen.get_state()})
         drafter.save_pretrained(out, save_conditioner=False)
+        drop_stale_conditioner(out)
 
     timed_out = False
     while step < stop_at:

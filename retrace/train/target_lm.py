@@ -442,8 +442,16 @@ def save_target(model, out_dir: str | Path, eos_id: int = 0, pad_id: int = 1) ->
     """Write config.json, model.safetensors (fp32) and generation_config.json."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
     model.generation_config = generation_config_for(eos_id, pad_id, model.config.max_position_embeddings)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Writing model shards" bar: noise, even under --quiet
+    try:
+        model.save_pretrained(str(out_dir), safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return sorted(p.name for p in out_dir.iterdir())
 
 

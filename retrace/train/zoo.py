@@ -11,25 +11,29 @@ Layout of DIR::
                       T=0 and T=1 with paired SE, mean gate, lossless check), timings, a text sample
 
 Cached: a second run with the same size/seed/settings/library versions returns the manifest at once.
-Atomic: everything is built in a temporary directory beside DIR and renamed into place at the end (a
-finished target stage already in DIR is reused, so changing only the drafter stages does not retrain the
-target).
+Atomic and owned (retrace.output_dir, kind "zoo"): everything is built in a temporary directory beside DIR
+and renamed into place at the end (a finished target stage already in DIR is reused, so changing only the
+drafter stages does not retrain the target). DIR must be absent, empty or a zoo: any other directory is
+refused even with --force. A zoo of another size or seed is replaced only with --force; a zoo of the same
+size and seed whose settings or library versions changed is rebuilt (it is a cache of exactly that zoo).
+SIGINT/SIGTERM leave DIR as it was.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 
 from retrace.errors import RetraceError
+from retrace.output_dir import OutputDirError, check_output, staged_output
 
 ZOO_VERSION = 1
 MANIFEST = "manifest.json"
+KIND = "zoo"  # the owner-marker kind (retrace.output_dir)
+_ZOO_ENTRIES = {"target", "drafter", "prompts", "data", MANIFEST}
 
 # Per size: drafter, conditioner and evaluation settings (sized for 2 CPU cores: see the module README
 # notes in the manifest's "timings").
@@ -103,6 +107,14 @@ def cached_manifest(out: str | Path, size: str = "small", seed: int = 0) -> dict
     return man
 
 
+def is_legacy_zoo(path: Path) -> bool:
+    """A marker-less zoo from an older retrace: a zoo manifest and nothing but the zoo's own entries."""
+    man = read_manifest(path)
+    names = {p.name for p in path.iterdir()} - {".retrace-output.json"}
+    return (isinstance(man, dict) and isinstance(man.get("key"), dict) and "zoo_version" in man["key"]
+            and names <= _ZOO_ENTRIES)
+
+
 def _log(progress: bool, msg: str) -> None:
     if progress:
         print(f"[zoo] {msg}", file=sys.stderr, flush=True)
@@ -114,30 +126,20 @@ def build_zoo(out: str | Path, size: str = "small", seed: int = 0, force: bool =
     if size not in PRESETS:
         raise RetraceError(f"unknown zoo size {size!r} (choose from {', '.join(PRESETS)})")
     out = Path(out).absolute()
-    if not force:
+    if check_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") and not force:
         man = cached_manifest(out, size, seed)
         if man is not None:
             _log(progress, f"cache hit: {out / MANIFEST}")
             return dict(man, cached=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+        old = read_manifest(out) or {}
+        if (old.get("size"), old.get("seed")) != (size, int(seed)):
+            raise OutputDirError(f"{out} holds a zoo of size {old.get('size')!r}, seed {old.get('seed')!r}; pass "
+                                 f"--force to replace it with size {size!r}, seed {seed} (or choose another --out)")
+        _log(progress, f"{out} holds a zoo of size {size}, seed {seed} built with other settings or library "
+                       "versions: rebuilding it")
+    with staged_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") as tmp:
         man = _build(out, tmp, size, seed, force, progress, threads)
-        _install(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dict(man, cached=False)
-
-
-def _install(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bool, threads: int | None) -> dict:

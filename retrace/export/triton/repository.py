@@ -9,7 +9,9 @@ Layout (``<repo>/<name>/``)::
     retrace.json        what generated this repository and with which options
 
 The repository is written into a temporary directory beside ``out_repo`` and renamed into place, so a
-reader never sees half a repository; an existing ``out_repo`` is replaced only with ``force=True``.
+reader never sees half a repository (retrace.output_dir, kind "triton-repository"); an existing
+``out_repo`` is replaced only with ``force=True`` and only if it is a repository this writer made (its owner
+marker, or, marker-less, nothing but model directories with config.pbtxt and retrace.json).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,11 @@ from typing import Any
 import retrace
 from retrace.errors import RetraceError
 from retrace.export.triton.validation import INPUTS, OUTPUTS
+from retrace.output_dir import MARKER, OutputDirError, check_output, staged_output
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _TEMPLATE = Path(__file__).with_name("model.py")
+KIND = "triton-repository"  # the owner-marker kind (retrace.output_dir)
 
 
 class RepositoryError(RetraceError, ValueError):
@@ -70,6 +73,13 @@ def _ignore(_dir: str, names: list[str]) -> list[str]:
     return [n for n in names if n == "__pycache__" or n.endswith((".pyc", ".pyo"))]
 
 
+def is_legacy_repository(path: Path) -> bool:
+    """A marker-less repository written by an older retrace: only model dirs with config.pbtxt + retrace.json."""
+    entries = [p for p in path.iterdir() if p.name != MARKER]
+    return bool(entries) and all(p.is_dir() and not p.is_symlink() and (p / "config.pbtxt").is_file()
+                                 and (p / "retrace.json").is_file() for p in entries)
+
+
 def write_repository(
     bundle_dir: str | os.PathLike[str],
     out_repo: str | os.PathLike[str],
@@ -106,7 +116,8 @@ def write_repository(
     if instances < 1 or max_batch < 1:
         raise RepositoryError(f"instances ({instances}) and max_batch ({max_batch}) must be >= 1")
     try:
-        limit = json.loads((bundle / "manifest.json").read_text()).get("limits", {}).get("max_batch")
+        man = json.loads((bundle / "manifest.json").read_text())
+        limit, fmt = man.get("limits", {}).get("max_batch"), man.get("format")
     except (OSError, ValueError) as e:
         raise RepositoryError(f"{bundle / 'manifest.json'}: cannot read the bundle manifest ({e})") from None
     if limit is not None and max_batch > int(limit):
@@ -121,16 +132,25 @@ def write_repository(
         env = Path(env_path).absolute()
         if not (env / "bin" / "activate").is_file() and not str(env).endswith((".tar.gz", ".tgz")):
             raise RepositoryError(f"execution environment {env} has no bin/activate (and is not a .tar.gz)")
-    if out.exists() and not force:
-        raise RepositoryError(f"{out} exists; pass force=True (--force) to replace it")
     if out == bundle or out in bundle.parents:
         raise RepositoryError(f"the repository {out} must not contain the bundle {bundle}")
     if bundle in out.parents:
         raise RepositoryError(f"the repository {out} must not be inside the bundle {bundle}")
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    ownership = dict(kind=KIND, force=force, legacy=is_legacy_repository, what="Triton model repository",
+                     exists_hint="pass force=True (--force) to replace it")
     try:
+        check_output(out, **ownership)
+    except OutputDirError as e:
+        raise RepositoryError(str(e)) from None
+    from retrace.engines.bundle import FORMAT, verify
+
+    if copy_bundle and fmt == FORMAT:  # the copy must be what was built: refuse a bundle that does not verify
+        try:  # (other formats: test stand-ins, served by runtime_factory; the real runtime refuses them)
+            verify(bundle, full=True)
+        except RetraceError as e:
+            raise RepositoryError(str(e)) from None
+
+    with staged_output(out, **ownership) as tmp:
         model_dir = tmp / model_name
         (model_dir / "1").mkdir(parents=True)
         shutil.copy2(_TEMPLATE, model_dir / "1" / "model.py")
@@ -167,14 +187,4 @@ def write_repository(
         }
         (model_dir / "retrace.json").write_text(json.dumps(meta, indent=1) + "\n")
         os.chmod(tmp, 0o755)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "repo")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

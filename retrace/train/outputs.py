@@ -1,0 +1,125 @@
+"""Where `retrace train dflash|conditioner` may write, and an honest account of what an interrupted run wrote.
+
+Training writes into its output directory in place (its checkpoint, OUT/train_state, must survive an
+interrupt so that --resume can continue), so it follows retrace.output_dir's rule through
+`claim_in_place` (kind "drafter"): OUT must be absent, empty or a drafter directory retrace wrote (its
+marker, or, marker-less, nothing but drafter/conditioner/training files). On top of that:
+
+* a finished drafter (model.safetensors) or conditioner (retrace.safetensors), or a checkpoint, already in
+  OUT is overwritten only with --force (start over) or --resume (continue the checkpoint);
+* --resume without a checkpoint is an error (it never silently starts fresh);
+* a new DFlash drafter removes a conditioner left beside it (it was trained for the old drafter);
+* `retrace train conditioner` without --out adds its files to the drafter directory (it deletes nothing
+  there, so that directory need not be retrace's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from retrace.errors import RetraceError
+from retrace.output_dir import MARKER, claim_in_place, no_space, sigterm_as_interrupt, sweep_stale
+
+KIND = "drafter"
+CONDITIONER_FILES = ("retrace_config.json", "retrace.safetensors", "conditioner_train.json")
+DRAFTER_FILES = {"config.json", "model.safetensors", "generation_config.json", "dflash_train.json", "train_state",
+                 "train_data", *CONDITIONER_FILES}
+
+
+def is_legacy_drafter(path: Path) -> bool:
+    """A marker-less directory holding nothing but what `retrace train` writes (an older retrace's output)."""
+    names = {p.name for p in path.iterdir() if not p.name.startswith(".train_state.")} - {MARKER}
+    return "config.json" in names and names <= DRAFTER_FILES
+
+
+def _has_checkpoint(out: Path) -> bool:
+    from retrace.train.common import has_train_state
+
+    return has_train_state(out)
+
+
+def _check_resume(out: Path, resume: bool) -> None:
+    sweep_stale(out / "train_state")  # temp dirs of checkpoints whose writer was killed
+    if resume and not _has_checkpoint(out):
+        raise RetraceError(f"--resume: {out} has no training checkpoint (train_state/) to continue; run without "
+                           "--resume to start a new training run")
+
+
+def prepare_dflash_out(out: Path, force: bool, resume: bool) -> None:
+    """Apply the rules above for `train dflash --out OUT` before anything is written."""
+    had = claim_in_place(out, KIND, is_legacy_drafter, "drafter directory")
+    _check_resume(out, resume)
+    if had and not (force or resume):
+        what = [w for w, f in (("a trained drafter", "model.safetensors"), ("a conditioner", "retrace.safetensors"),
+                               ("a training checkpoint", "train_state")) if (out / f).exists()]
+        if what:
+            raise RetraceError(f"{out} already holds {' and '.join(what)}; pass --resume to continue its training "
+                               "or --force to train a new drafter there (it replaces them)")
+
+
+def prepare_conditioner_out(out: Path, drafter_dir: Path, force: bool, resume: bool) -> None:
+    """Apply the rules above for `train conditioner` (OUT defaults to the drafter directory)."""
+    if out.resolve() != drafter_dir.resolve():
+        claim_in_place(out, KIND, is_legacy_drafter, "drafter directory")
+    _check_resume(out, resume)
+    if not (force or resume) and (out / "retrace.safetensors").exists():
+        raise RetraceError(f"{out} already holds a trained conditioner (retrace.safetensors); pass --force to "
+                           "train a new one there (it starts from that conditioner unless --reinit) or --resume "
+                           "to continue its checkpoint")
+
+
+def drop_stale_conditioner(out: Path) -> None:
+    """A new DFlash drafter was written to out: a conditioner beside it belonged to the old one."""
+    for name in CONDITIONER_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
+
+
+# -- what an interrupted run wrote -----------------------------------------------------------------------------
+def snapshot(out: Path) -> dict[str, tuple[int, int]]:
+    """{relative path: (size, mtime_ns)} of every file under out (empty when out does not exist)."""
+    if not out.is_dir():
+        return {}
+    return {p.relative_to(out).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in out.rglob("*") if p.is_file() and p.name != MARKER}
+
+
+def describe_changes(out: Path, before: dict[str, tuple[int, int]]) -> str:
+    after = snapshot(out)
+    changed = sorted(k for k, v in after.items() if before.get(k) != v)
+    removed = sorted(k for k in before if k not in after)
+    if not changed and not removed:
+        return f"interrupted: nothing in {out} was changed"
+    tops = sorted({k.split("/")[0] + ("/" if "/" in k else "") for k in changed})
+    text = f"interrupted: wrote {', '.join(tops)} in {out}"
+    if removed:
+        text += f"; removed {', '.join(removed)}"
+    state = out / "train_state" / "state.json"
+    if any(k.startswith("train_state/") for k in changed) and state.is_file():
+        try:
+            step = json.loads(state.read_text()).get("step")
+        except (OSError, ValueError):
+            step = None
+        text += f"; the checkpoint (step {step}) continues with --resume"
+    return text
+
+
+@contextlib.contextmanager
+def report_interrupt(out: Path) -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C; the KeyboardInterrupt carries `retrace_message` saying what was written
+    (retrace.cli_errors prints it). A full disk becomes a RetraceError that says the same."""
+    before = snapshot(out)
+    try:
+        with sigterm_as_interrupt():
+            yield
+    except KeyboardInterrupt as e:
+        e.retrace_message = describe_changes(out, before)
+        raise
+    except Exception as e:
+        if not no_space(e):
+            raise
+        wrote = describe_changes(out, before).replace("interrupted: ", "")
+        raise RetraceError(f"no space left on the device while training into {out} ({e}); {wrote}") from None
