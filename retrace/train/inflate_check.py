@@ -128,21 +128,22 @@ def greedy_identity(small: tuple[Qwen3Target, DFlashDrafter], big: tuple[Qwen3Ta
 
 
 def sampled_padding(big: tuple[Qwen3Target, DFlashDrafter], prompts: list[list[int]], vocab: int,
-                    n_tokens: int, max_new: int, mode: str = "retrace") -> dict:
-    """Sample at T=1 (drafts and verification) until n_tokens tokens came out; count padded ids (>= vocab)."""
-    total, padded, seed, rounds = 0, 0, 0, 0
+                    n_tokens: int, max_new: int, mode: str = "ar", batch: int = 64) -> dict:
+    """Sample at T=1 until n_tokens tokens came out (the prompts repeated to `batch` rows, a new seed per
+    row); count padded ids (>= vocab) among them."""
+    rows = (prompts * -(-batch // len(prompts)))[:batch]
+    total, padded, seed = 0, 0, 0
     margins = {"target": float("inf"), "draft": float("inf")}
     while total < n_tokens:
-        be = _backend(*big, prompts, max_new, vocab)
-        rolls, _ = run_requests(be, prompts, mode, max_new, 1.0, seed)
+        be = _backend(*big, rows, max_new, vocab, batch=batch)
+        rolls, _ = run_requests(be, rows, mode, max_new, 1.0, seed)
         outs = [r.output_ids for r in rolls]
+        if not any(outs):
+            break
         total += sum(len(o) for o in outs)
         padded += sum(t >= vocab for o in outs for t in o)
         margins = {k: min(v, be.margin[k]) for k, v in margins.items()}
-        seed += len(prompts)
-        rounds += 1
-        if rounds > 1000:
-            break
+        seed += len(rows)
     return {"mode": mode, "temperature": 1.0, "tokens": total, "padded_ids": padded, "pad_margin_min": margins}
 
 
