@@ -200,6 +200,68 @@ def zoo_tiny(out_dir, size, seed, force, threads, quiet) -> None:
                    f"+- {p.get('se')} (n={p.get('n')})")
 
 
+@zoo.command("inflate")
+@click.option("--from", "zoo_dir", required=True, type=click.Path(file_okay=False), help="a zoo (retrace zoo tiny)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False))
+@click.option("--shape", type=click.Choice(["qwen3-0.6b", "qwen3-1.7b"]), default=None,
+              help="a published Qwen3 shape (explicit sizes below override its fields)")
+@click.option("--hidden-size", type=int, default=None)
+@click.option("--layers", type=int, default=None)
+@click.option("--heads", type=int, default=None)
+@click.option("--kv-heads", type=int, default=None)
+@click.option("--head-dim", type=int, default=None)
+@click.option("--intermediate-size", type=int, default=None)
+@click.option("--vocab-size", type=int, default=None)
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the (discarded) new weights")
+@click.option("--check-prompts", type=int, default=8, show_default=True, help="zoo prompts the checks run on")
+@click.option("--check-new-tokens", type=int, default=48, show_default=True)
+@click.option("--sample-tokens", type=int, default=10_000, show_default=True,
+              help="tokens sampled at T=1 to check that no padded id comes out (0: skip)")
+@click.option("--force", is_flag=True, help="rebuild even if the manifest matches")
+@click.option("--threads", type=int, default=None)
+@click.option("--quiet", is_flag=True)
+@cli_errors
+def zoo_inflate(zoo_dir, out_dir, shape, hidden_size, layers, heads, kv_heads, head_dim, intermediate_size,
+                vocab_size, seed, check_prompts, check_new_tokens, sample_tokens, force, threads, quiet) -> None:
+    """Expand a zoo pair function-preservingly to a real Qwen3 shape (same outputs, real compute)."""
+    import dataclasses
+
+    from retrace.errors import RetraceError
+    from retrace.train.common import torch_threads
+    from retrace.train.inflate import SHAPES, Shape
+    from retrace.train.inflate_zoo import build_inflated
+
+    given = dict(hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
+                 num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+                 vocab_size=vocab_size)
+    given = {k: v for k, v in given.items() if v is not None}
+    if shape is not None:
+        target = dataclasses.replace(SHAPES[shape], **given)
+    else:
+        missing = [f"--{k}" for k in ("hidden-size", "layers", "heads", "kv-heads", "head-dim", "intermediate-size",
+                                       "vocab-size") if given.get(_SHAPE_OPT[k]) is None]
+        if missing:
+            raise RetraceError(f"give --shape or all of the sizes (missing {', '.join(missing)})")
+        target = Shape(**given)
+    with torch_threads(threads):
+        man = build_inflated(zoo_dir, out_dir, target, seed=seed, check_prompts=check_prompts,
+                             check_new_tokens=check_new_tokens, sample_tokens=sample_tokens, force=force,
+                             progress=not quiet)
+    ex, p = man["exactness"], man["params"]
+    click.echo(f"{'cache hit' if man.get('cached') else 'built'}: {out_dir} ({target.hidden_size} wide, "
+               f"{target.num_hidden_layers} layers, vocab {target.vocab_size})")
+    click.echo(f"  target non-embedding params {p['target_non_embedding'] / 1e6:.1f}M (total {p['target_total'] / 1e6:.1f}M), "
+               f"drafter layers {p['drafter_layers'] / 1e6:.1f}M, conditioner {p['conditioner'] / 1e6:.1f}M")
+    click.echo(f"  greedy ar/dflash/retrace identical: {ex['greedy']['all_identical']}; real-id logits rel diff "
+               f"{ex['logits']['rel_diff']:.2e}; padded ids sampled: "
+               f"{(ex['sampled'] or {}).get('padded_ids')} of {(ex['sampled'] or {}).get('tokens')}")
+
+
+_SHAPE_OPT = {"hidden-size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+              "kv-heads": "num_key_value_heads", "head-dim": "head_dim", "intermediate-size": "intermediate_size",
+              "vocab-size": "vocab_size"}
+
+
 @click.command("eval")
 @click.option("--target", "target_dir", required=True, type=click.Path(file_okay=False))
 @click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False))
