@@ -148,7 +148,8 @@ def test_padded_draft_vocabulary_is_never_proposed(draft_pair, tmp_path):
 
     root = draft_pair[0]
     src = root / "draft-ar"
-    V = json.loads((src / "config.json").read_text())["vocab_size"]
+    cfg = json.loads((src / "config.json").read_text())
+    V = cfg["vocab_size"]
     padded = pad_vocab(src, tmp_path / "padded", V + 40)
     base, _ = genai_export(padded, tmp_path / "export", post=lambda out: never_produce_padded(out / "model.onnx", V))
     sess = ort.InferenceSession(str(base / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -160,7 +161,7 @@ def test_padded_draft_vocabulary_is_never_proposed(draft_pair, tmp_path):
         elif i.name == "attention_mask":
             feed[i.name] = np.ones_like(ids).astype(np.int64 if "int64" in i.type else np.int32)
         elif i.name.startswith("past_key_values"):
-            feed[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), dtype=np.float32)
+            feed[i.name] = np.zeros((1, cfg["num_key_value_heads"], 0, cfg["head_dim"]), dtype=np.float32)
         else:
             raise AssertionError(f"unexpected input {i.name}")
     logits = sess.run(["logits"], feed)[0][0]
