@@ -2,7 +2,12 @@
 
 The systems are timed in a rotating order inside every run (run k starts k/K of the way down the list), so
 slow drifts of the machine (other jobs, thermal state) hit all systems alike; results are medians and
-ranges over the K runs, compared as ratios measured in the same process.
+ranges over the K runs, compared as ratios measured in the same benchmark.
+
+Each group of systems runs in its own worker process under the threading environment it is fastest with
+(retrace.bench.envs, retrace.bench.isolate; `--peer-env inherit` keeps everything in this process). One
+worker runs at a time, timing inside itself; the others wait on their input pipe, and the CPU time they
+use meanwhile is recorded (`machine.idle_workers`) to show that no idle worker spins.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ def machine_info(threads: int) -> dict:
                                               "onnxruntime-genai", "numpy", "tokenizers")},
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        "env_note": "the bench process's own; each system's is systems[].env",
     }
 
 
