@@ -72,7 +72,7 @@ def build_isolated(cfg, threads: int, request: dict, cache: Path, log, tune_prom
                 w.close()
             skipped.append({"name": f"{group} systems", "reason": str(e).splitlines()[0]})
             continue
-        _, w0, reply0 = started[0]
+        reply0 = started[0][2]
         table = None
         if len(started) > 1 and reply0["systems"]:
             # alternate the candidates on the group's first system: one warm-up, then two timed runs each
