@@ -171,3 +171,40 @@ def test_padded_draft_vocabulary_is_never_proposed(draft_pair, tmp_path):
         ref = Qwen3ForCausalLM.from_pretrained(src, dtype=torch.float32)(input_ids=torch.from_numpy(ids)).logits[0]
     np.testing.assert_allclose(logits[:, :V], ref.numpy(), atol=1e-4 * float(ref.abs().max()))
     assert (logits.argmax(-1) < V).all()
+
+
+def test_zoo_draft_ar_command_trains_once_then_hits_the_cache(tmp_path):
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    write_bench_pair(zoo)
+    (zoo / "data").mkdir()
+    (zoo / "data" / "train_prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"x = {i}\nprint(x)"}) + "\n" for i in range(6)))
+    args = ["zoo", "draft-ar", "--from", str(zoo), "--seconds", "1", "--num-prompts", "6", "--threads", "1", "--quiet"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    meta = json.loads((zoo / "draft-ar" / "draft_ar.json").read_text())
+    mtime = (zoo / "draft-ar" / "model.safetensors").stat().st_mtime_ns
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0 and (zoo / "draft-ar" / "model.safetensors").stat().st_mtime_ns == mtime
+    assert json.loads((zoo / "draft-ar" / "draft_ar.json").read_text()) == meta
+    assert not [p for p in zoo.iterdir() if p.name.startswith(".draft-ar-")]  # no staging dir left behind
+
+
+def test_draft_ar_bad_input_is_a_clear_error(tmp_path, draft_pair):
+    from retrace.errors import RetraceError
+    from retrace.train.draft_ar import DraftArConfig, train_draft_ar
+
+    root, target, drafter, prompts, _ = draft_pair
+    with pytest.raises(RetraceError, match="no such prompts file"):
+        train_draft_ar(target, tmp_path / "d", tmp_path / "missing.jsonl")
+    with pytest.raises(RetraceError, match="layers must be 1-4"):
+        train_draft_ar(target, tmp_path / "d", prompts, DraftArConfig(layers=9))
+    assert not (tmp_path / "d").exists()
+    res = CliRunner().invoke(main, ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts",
+                                    str(prompts), "--systems", "ortgenai-draft", "--batch-sizes", "1", "--runs", "1",
+                                    "--limit", "1", "--max-new-tokens", "4", "--draft-ar", str(tmp_path),
+                                    "--peer-env", "inherit", "--cache-dir", str(root / "cache"), "--json",
+                                    str(tmp_path / "b.json")])
+    # the only wanted system cannot be built: the command fails naming why
+    assert res.exit_code != 0 and "not an HF Qwen3 directory" in res.output
