@@ -40,6 +40,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
+	$(BIN)/retrace zoo draft-ar --from $(ZOO) --quiet
 	$(BIN)/retrace bench --target $(ZOO)/target --drafter $(ZOO)/drafter --prompts $(ZOO)/prompts --batch-sizes 1,8 --runs 3 --limit 16 --max-new-tokens 128 --threads 1 --json bench-out/bench.json --plot bench-out/bench.png --profile bench-out/retrace.prof --markdown bench-out/bench.md --readme-table
 
 clean:

@@ -192,6 +192,13 @@ main.add_command(eval_cmd)
 @click.option("--systems", default=None, help="only these systems (comma-separated names or globs, e.g. 'hf-*')")
 @click.option("--cache-dir", type=click.Path(), default=None, help="build cache (default ~/.cache/retrace/bench)")
 @click.option("--no-build-engine", is_flag=True, help="without --engine, skip the ONNX Runtime backend")
+@click.option("--draft-ar", type=click.Path(file_okay=False), default=None,
+              help="HF Qwen3 draft model for ortgenai-draft (default: ZOO/draft-ar beside a zoo target, else "
+                   "distilled into the cache from ZOO/data)")
+@click.option("--peer-env", type=click.Choice(["measure", "defaults", "inherit"]), default="measure", show_default=True,
+              help="threading environment per system: measure the candidates (OMP wait policy, threads) in one "
+                   "worker process each and keep the fastest (cached); library defaults in workers; or inherit "
+                   "this process's (everything in one process)")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="write the results here")
 @click.option("--plot", "plot_out", type=click.Path(), default=None, help="write the plots here (PNG)")
 @click.option("--profile", "profile_out", type=click.Path(), default=None,
@@ -202,14 +209,15 @@ main.add_command(eval_cmd)
               help="render table/plots/markdown from an earlier --json file instead of running")
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
-          no_build_engine, json_out, plot_out, profile_out, readme_table, markdown_out, from_json) -> None:
+          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, markdown_out, from_json) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
 
     bench_command(target=target, drafter=drafter, engine=engine, prompts=prompts, max_new_tokens=max_new_tokens,
                   batch_sizes=batch_sizes, runs=runs, limit=limit, threads=threads, systems=systems,
-                  cache_dir=cache_dir, build_engine=not no_build_engine, json_out=json_out, plot_out=plot_out,
+                  cache_dir=cache_dir, build_engine=not no_build_engine, draft_ar=draft_ar, peer_env=peer_env,
+                  json_out=json_out, plot_out=plot_out,
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()))
 

@@ -89,55 +89,169 @@ def genai_version() -> str | None:
     return getattr(og, "__version__", "unknown")
 
 
-def build_genai_model(target_dir: str | Path, cache_dir: str | Path, threads: int) -> tuple[Path, dict]:
-    """onnxruntime-genai model of the target (fp32, cpu), built once per target content and genai version,
-    plus a per-thread-count copy whose genai_config.json sets intra_op_num_threads and disables EOS
-    (`eos_token_id: []`) so that every system generates exactly max_new_tokens."""
+def _require_genai() -> str:
     version = genai_version()
     if version is None:
         raise MissingDependencyError("onnxruntime-genai is not installed (pip install 'onnxruntime-genai>=0.18')")
-    target_dir = Path(target_dir)
-    missing = [f for f in TOKENIZER_FILES if not (target_dir / f).is_file()]
+    return version
+
+
+def _check_tokenizer(hf_dir: Path) -> None:
+    missing = [f for f in TOKENIZER_FILES if not (hf_dir / f).is_file()]
     if missing:
-        raise RetraceError(f"{target_dir}: no {', '.join(missing)}; onnxruntime-genai needs the tokenizer files "
+        raise RetraceError(f"{hf_dir}: no {', '.join(missing)}; onnxruntime-genai needs the tokenizer files "
                            "(without them it invents an empty tokenizer and treats id 0 as EOS)")
-    root = Path(cache_dir) / f"genai-{dir_digest(target_dir, extra=version)}"
+
+
+def genai_export(hf_dir: str | Path, root: Path, what: str = "onnxruntime-genai model build",
+                 post=None) -> tuple[Path, dict]:
+    """`python -m onnxruntime_genai.models.builder -i hf_dir -o root/base -p fp32 -e cpu`, once (root/base);
+    post(out_dir), if given, edits the output before it is moved into place."""
+    hf_dir = Path(hf_dir)
     base = root / "base"
     info = {"cache": str(root), "built": False, "build_s": 0.0}
     if not (base / "genai_config.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix="build-", dir=root))
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target_dir), "-o", str(tmp / "out"),
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(tmp / "out"),
                "-p", "fp32", "-e", "cpu", "-c", str(tmp / "hf-cache")]
-        info["build_s"] = _run_module(cmd[2:], "onnxruntime-genai model build", root / "build.log")
+        info["build_s"] = _run_module(cmd[2:], what, root / "build.log")
         info["built"] = True
         info["command"] = " ".join(cmd)
+        if post is not None:
+            post(tmp / "out")
         if base.exists():
             shutil.rmtree(base)
         (tmp / "out").rename(base)
         shutil.rmtree(tmp, ignore_errors=True)
+    return base, info
+
+
+def _link_files(src: Path, dst: Path) -> None:
+    for f in src.iterdir():
+        if f.is_file():
+            try:
+                os.link(f, dst / f.name)
+            except OSError:
+                shutil.copy2(f, dst / f.name)
+
+
+def _run_config(cfg: dict, threads: int) -> dict:
+    """Threads and no EOS in a genai_config.json (every system generates exactly max_new_tokens)."""
+    model = cfg["model"]
+    for block in ("decoder", "draft"):
+        if block in model:
+            so = model[block].setdefault("session_options", {})
+            so["intra_op_num_threads"] = int(threads)
+            so["inter_op_num_threads"] = 1
+    model["eos_token_id"] = []  # never stop early: the same token count as every other system
+    return cfg
+
+
+def build_genai_model(target_dir: str | Path, cache_dir: str | Path, threads: int) -> tuple[Path, dict]:
+    """onnxruntime-genai model of the target (fp32, cpu), built once per target content and genai version,
+    plus a per-thread-count copy whose genai_config.json sets intra_op_num_threads and disables EOS
+    (`eos_token_id: []`) so that every system generates exactly max_new_tokens."""
+    version = _require_genai()
+    target_dir = Path(target_dir)
+    _check_tokenizer(target_dir)
+    root = Path(cache_dir) / f"genai-{dir_digest(target_dir, extra=version)}"
+    base, info = genai_export(target_dir, root)
     run_dir = root / f"threads{threads}"
     if not (run_dir / "genai_config.json").is_file():
         tmp = Path(tempfile.mkdtemp(prefix="cfg-", dir=root))
-        for f in base.iterdir():
-            if f.is_file():
-                try:
-                    os.link(f, tmp / f.name)
-                except OSError:
-                    shutil.copy2(f, tmp / f.name)
-        cfg_path = tmp / "genai_config.json"
+        _link_files(base, tmp)
         (tmp / "genai_config.json").unlink()
-        cfg = json.loads((base / "genai_config.json").read_text())
-        model = cfg["model"]
-        model["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = int(threads)
-        model["decoder"]["session_options"]["inter_op_num_threads"] = 1
-        model["eos_token_id"] = []  # never stop early: the same token count as every other system
-        cfg_path.write_text(json.dumps(cfg, indent=4) + "\n")
+        cfg = _run_config(json.loads((base / "genai_config.json").read_text()), threads)
+        (tmp / "genai_config.json").write_text(json.dumps(cfg, indent=4) + "\n")
         if run_dir.exists():
             shutil.rmtree(run_dir)
         tmp.rename(run_dir)
     cfg = json.loads((run_dir / "genai_config.json").read_text())
     info["pad_token_id"] = cfg["model"].get("pad_token_id")
+    info["model_dir"] = str(run_dir)
+    return run_dir, info
+
+
+def never_produce_padded(onnx_path: Path, real_vocab: int) -> None:
+    """Add -1e9 to the logits of ids >= real_vocab in an exported decoder (output `logits`), in place: the zero
+    LM-head rows of a vocabulary padded by retrace.train.draft_ar.pad_vocab then can never win an argmax
+    nor carry probability mass."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(onnx_path))
+    g = model.graph
+    out = next((o for o in g.output if o.name == "logits"), None)
+    if out is None:
+        raise RetraceError(f"{onnx_path}: no 'logits' output to mask the padded vocabulary on")
+    vocab = out.type.tensor_type.shape.dim[-1].dim_value
+    if not vocab or vocab <= real_vocab:
+        return
+    for node in g.node:
+        node.output[:] = ["logits_unmasked" if o == "logits" else o for o in node.output]
+    bias = np.zeros(vocab, dtype=np.float32)
+    bias[real_vocab:] = -1e9
+    g.initializer.append(numpy_helper.from_array(bias, "retrace_padded_vocab_bias"))
+    g.node.append(helper.make_node("Add", ["logits_unmasked", "retrace_padded_vocab_bias"], ["logits"],
+                                   name="retrace_padded_vocab_mask"))
+    data = onnx_path.name + ".data"
+    tmp = onnx_path.with_name(onnx_path.name + ".tmp")
+    onnx.save(model, str(tmp), save_as_external_data=True, location=data + ".tmp")
+    (onnx_path.parent / (data + ".tmp")).rename(onnx_path.parent / data)
+    # the graph names its external file: rewrite it to the final name
+    m2 = onnx.load(str(tmp), load_external_data=False)
+    for t in m2.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = data
+    onnx.save(m2, str(onnx_path))
+    tmp.unlink()
+
+
+def build_genai_draft_model(target_dir: str | Path, draft_dir: str | Path, cache_dir: str | Path,
+                            threads: int) -> tuple[Path, dict]:
+    """The target's onnxruntime-genai model with an autoregressive draft model wired in as `model.draft`
+    (its decoder section, filename `draft/model.onnx`, the target's session options). A draft trained at a
+    smaller vocabulary than the target's is padded (retrace.train.draft_ar.pad_vocab + never_produce_padded)."""
+    from retrace.train.draft_ar import pad_vocab
+
+    version = _require_genai()
+    target_dir, draft_dir = Path(target_dir), Path(draft_dir)
+    run_target, info = build_genai_model(target_dir, cache_dir, threads)
+    tv = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    dv = json.loads((draft_dir / "config.json").read_text())["vocab_size"]
+    if dv > tv:
+        raise RetraceError(f"draft {draft_dir} has a larger vocabulary ({dv}) than the target ({tv})")
+    root = Path(cache_dir) / f"genai-draft-{dir_digest(draft_dir, extra=f'{version}/{tv}')}"
+    src = draft_dir
+    if dv < tv and not (root / "base" / "genai_config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        src = pad_vocab(draft_dir, root / "padded-hf", tv)
+        _check_tokenizer(src)
+    elif dv < tv:
+        src = root / "padded-hf"
+    _check_tokenizer(src)
+    base, dinfo = genai_export(src, root, "onnxruntime-genai draft model build",
+                               post=(lambda out: never_produce_padded(out / "model.onnx", dv)) if dv < tv else None)
+    info = {**info, "draft": {**dinfo, "hf_dir": str(draft_dir), "vocab_padded_from": dv if dv < tv else None}}
+    run_dir = root / f"with-target-{Path(run_target).parent.name}-threads{threads}"
+    if not (run_dir / "genai_config.json").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix="cfg-", dir=root))
+        _link_files(Path(run_target), tmp)
+        (tmp / "draft").mkdir()
+        _link_files(base, tmp / "draft")
+        cfg = json.loads((Path(run_target) / "genai_config.json").read_text())
+        dec = json.loads((base / "genai_config.json").read_text())["model"]["decoder"]
+        dec["filename"] = "draft/" + dec["filename"]
+        dec["session_options"] = dict(cfg["model"]["decoder"].get("session_options", {}))
+        cfg["model"]["draft"] = dec
+        (tmp / "genai_config.json").unlink()
+        (tmp / "genai_config.json").write_text(json.dumps(_run_config(cfg, threads), indent=4) + "\n")
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        tmp.rename(run_dir)
     info["model_dir"] = str(run_dir)
     return run_dir, info
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-PEER_COLUMNS = (("hf-ar", "x hf-ar"), ("hf-dflash", "x hf-dflash"), ("ortgenai-ar", "x ortgenai-ar"))
+PEER_COLUMNS = (("hf-ar", "x hf-ar"), ("hf-dflash", "x hf-dflash"), ("ortgenai-ar", "x ortgenai-ar"),
+                ("ortgenai-ngram", "x ortgenai-ngram"), ("ortgenai-draft", "x ortgenai-draft"))
 
 
 def _f(x, fmt: str = "{:.1f}", none: str = "n/a") -> str:
@@ -82,6 +83,33 @@ def analysis_lines(results: dict, batch_sizes: tuple[int, ...] = (1,)) -> list[s
     return out
 
 
+def env_lines(results: dict) -> list[str]:
+    """The threading environment each system ran with, one line per distinct environment."""
+    by: dict[str, list[str]] = {}
+    for s in results["systems"]:
+        e = s.get("env")
+        if not e or s["batch_size"] != results["systems"][0]["batch_size"]:
+            continue
+        key = f"{e['describe']} ({e['process']}, {e['chosen_by']})"
+        by.setdefault(key, []).append(s["name"])
+    return [f"{', '.join(names)}: {key}" for key, names in by.items()]
+
+
+def speculative_lines(results: dict) -> list[str]:
+    """onnxruntime-genai's speculative peers: their settings and own acceptance statistics."""
+    out = []
+    for s in results["systems"]:
+        st = s.get("speculative_stats")
+        if not st:
+            continue
+        opt = (s.get("settings") or {}).get("speculative") or {}
+        acc = st["acceptance_rate"]
+        out.append(f"{s['name']} ({', '.join(f'{k} {v}' for k, v in opt.items())}): acceptance "
+                   f"{'n/a' if acc is None else f'{acc:.2f}'}, {_f(st['tokens_per_round'], '{:.2f}')} tokens per "
+                   f"round over {st['rounds']} rounds, {st['standard_fallback_steps']} plain steps")
+    return out
+
+
 def machine_line(results: dict) -> str:
     m = results["machine"]
     v = m["versions"]
@@ -107,7 +135,8 @@ def print_results(results: dict, console=None) -> None:
         if r["status"] != "ok":
             reason = r["reason"] or ""
             t.add_row(r["system"], str(r["batch"]), r["status"], "", "", "",
-                      reason if len(reason) <= 70 else reason[:67] + "...", "", "", "", "", "", style="dim")
+                      reason if len(reason) <= 70 else reason[:67] + "...", "", *([""] * len(PEER_COLUMNS)), "",
+                      style="dim")
             continue
         t.add_row(r["system"], str(r["batch"]), _f(r["tok_s"]), r["range"], _f(r["tau"], "{:.2f}", ""),
                   _f(r["rounds"], "{}", ""), r["split"], _f(r["outside"], "{:.1%}", ""),
@@ -122,6 +151,10 @@ def print_results(results: dict, console=None) -> None:
         console.print(line)
     for line in analysis_lines(results):
         console.print(line)
+    for line in speculative_lines(results):
+        console.print(line)
+    for line in env_lines(results):
+        console.print(f"env: {line}")
     prof = results.get("profile")
     if prof:
         console.print(f"profile of one {prof['system']} run at batch 1 ({prof['wall_s']:.2f} s under cProfile, "
@@ -142,12 +175,20 @@ def render_markdown(results: dict) -> str:
              "| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
     for r in rows(results):
         if r["status"] != "ok":
-            cells = [f"`{r['system']}`", str(r["batch"]), "n/a", "", "", r["reason"] or "", "", "", "", ""]
+            cells = [f"`{r['system']}`", str(r["batch"]), "n/a", "", "", r["reason"] or "",
+                     *([""] * len(PEER_COLUMNS)), ""]
         else:
             cells = [f"`{r['system']}`", str(r["batch"]), _f(r["tok_s"]), r["range"], _f(r["tau"], "{:.2f}", ""),
                      r["split"], *(_f(r[col], "{:.2f}x", "") for _, col in PEER_COLUMNS), r["agree"]]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", fidelity_line(results), "", f"Machine: {machine_line(results)}.", ""]
+    lines += ["", fidelity_line(results), ""]
+    spec = speculative_lines(results)
+    if spec:
+        lines += ["onnxruntime-genai speculative peers: " + "; ".join(spec) + ".", ""]
+    env = env_lines(results)
+    if env:
+        lines += ["Threading environment per system: " + "; ".join(env) + ".", ""]
+    lines += [f"Machine: {machine_line(results)}.", ""]
     if results.get("command"):
         lines += [f"Regenerate: `{results['command']}`", ""]
     return "\n".join(lines)

@@ -2,7 +2,12 @@
 
 The systems are timed in a rotating order inside every run (run k starts k/K of the way down the list), so
 slow drifts of the machine (other jobs, thermal state) hit all systems alike; results are medians and
-ranges over the K runs, compared as ratios measured in the same process.
+ranges over the K runs, compared as ratios measured in the same benchmark.
+
+Each group of systems runs in its own worker process under the threading environment it is fastest with
+(retrace.bench.envs, retrace.bench.isolate; `--peer-env inherit` keeps everything in this process). One
+worker runs at a time, timing inside itself; the others wait on their input pipe, and the CPU time they
+use meanwhile is recorded (`machine.idle_workers`) to show that no idle worker spins.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from retrace.bench.prompts import BenchPrompt, load_prompts
 from retrace.bench.systems import ForwardTimers, RunOut, System
 from retrace.errors import RetraceError
 
-PEERS = ("hf-ar", "hf-dflash", "ortgenai-ar")
+ORTGENAI_SPEC = ("ortgenai-ngram", "ortgenai-ngram-adaptive", "ortgenai-draft", "ortgenai-draft-adaptive")
+PEERS = ("hf-ar", "hf-dflash", "ortgenai-ar", *ORTGENAI_SPEC)
 MODES = ("ar", "dflash", "retrace")
 BACKENDS = ("torch", "onnxruntime")
 HEADLINE = "retrace-onnxruntime-retrace"
@@ -39,6 +45,8 @@ class BenchConfig:
     limit: int | None = 16
     threads: int | None = None
     systems: tuple[str, ...] | None = None  # fnmatch patterns over system names; None = all
+    draft_ar: str | None = None  # HF Qwen3 draft model for ortgenai-draft (None: DIR/draft-ar of a zoo, or trained)
+    peer_env: str = "measure"  # retrace.bench.envs.POLICIES
     cache_dir: str | None = None
     build_engine: bool = True  # build an ORT bundle into the cache when no --engine is given
     warmup: bool = True
@@ -55,6 +63,10 @@ class BenchConfig:
             raise RetraceError("--runs must be at least 1")
         if self.threads is not None and self.threads < 1:
             raise RetraceError("--threads must be positive")
+        from retrace.bench.envs import POLICIES
+
+        if self.peer_env not in POLICIES:
+            raise RetraceError(f"--peer-env must be one of {', '.join(POLICIES)}, got {self.peer_env!r}")
 
 
 def default_threads() -> int:
@@ -100,6 +112,7 @@ def machine_info(threads: int) -> dict:
                                               "onnxruntime-genai", "numpy", "tokenizers")},
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        "env_note": "the bench process's own; each system's is systems[].env",
     }
 
 
@@ -112,6 +125,7 @@ class Built:
         self.skipped: list[dict] = []
         self.builds: dict = {}
         self.block_size: int = 1
+        self.workers: list = []  # retrace.bench.worker.WorkerClient, one per group (none with --peer-env inherit)
 
     def skip(self, names, reason: str) -> None:
         for n in names:
@@ -136,7 +150,9 @@ def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig) -> None:
 
 
 def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: int, log,
-                  bundle_seq_len: int | None = None) -> Built:
+                  bundle_seq_len: int | None = None, tune_prompts: list[list[int]] | None = None,
+                  groups: tuple[str, ...] | None = None) -> Built:
+    """The wanted systems of the given groups (retrace.bench.envs.GROUPS; None = all) in this process."""
     import torch
 
     built = Built()
@@ -149,7 +165,10 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
     torch.set_num_threads(threads)
 
     # ours, torch backend
-    if any(_wanted(f"retrace-torch-{m}", cfg.systems) for m in MODES):
+    def group(g: str) -> bool:
+        return groups is None or g in groups
+
+    if group("retrace-torch") and any(_wanted(f"retrace-torch-{m}", cfg.systems) for m in MODES):
         from retrace.runtime import Runtime
 
         log("loading the torch runtime")
@@ -158,7 +177,8 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
         _retrace_systems(built, rt, "torch", cfg)
 
     # ours, ONNX Runtime backend
-    ort_names = [f"retrace-onnxruntime-{m}" for m in MODES if _wanted(f"retrace-onnxruntime-{m}", cfg.systems)]
+    ort_names = [f"retrace-onnxruntime-{m}" for m in MODES if _wanted(f"retrace-onnxruntime-{m}", cfg.systems)
+                 and group("retrace-onnxruntime")]
     if ort_names:
         bundle = cfg.engine
         try:
@@ -181,7 +201,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
             built.skip(ort_names, str(e).splitlines()[0])
 
     # transformers peers
-    hf_names = [n for n in ("hf-ar", "hf-dflash") if _wanted(n, cfg.systems)]
+    hf_names = [n for n in ("hf-ar", "hf-dflash") if _wanted(n, cfg.systems) and group("hf")]
     if hf_names:
         from transformers import AutoModel, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -208,18 +228,11 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
             except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
                 built.skip(["hf-dflash"], f"{type(e).__name__}: {e}".splitlines()[0])
 
-    # onnxruntime-genai peer
-    if _wanted("ortgenai-ar", cfg.systems):
-        try:
-            from retrace.bench.builds import build_genai_model
-            from retrace.bench.systems import OrtGenaiSystem
+    # onnxruntime-genai peers
+    if group("ortgenai") and any(_wanted(n, cfg.systems) for n in ("ortgenai-ar", *ORTGENAI_SPEC)):
+        from retrace.bench.ortgenai_peers import add_ortgenai_systems
 
-            log("building the onnxruntime-genai model (cached)")
-            mdir, info = build_genai_model(cfg.target, cache, threads)
-            built.builds["ortgenai"] = info
-            built.systems.append(OrtGenaiSystem(mdir, info.get("pad_token_id")))
-        except (RetraceError, ImportError, RuntimeError) as e:
-            built.skip(["ortgenai-ar"], str(e).splitlines()[0])
+        add_ortgenai_systems(built, cfg, cache, threads, tune_prompts, log)
 
     order = {n: i for i, n in enumerate(PEERS + tuple(f"retrace-{b}-{m}" for b in BACKENDS for m in MODES))}
     built.systems.sort(key=lambda s: order.get(s.name, len(order)))
@@ -276,7 +289,7 @@ def run_bench(cfg: BenchConfig, console=None, show_progress: bool = True) -> dic
     batch_sizes = tuple(sorted(set(cfg.batch_sizes)))
 
     # a bundle built here is sized for the benchmark: the batch and the target's whole context
-    built = build_systems(cfg, threads, max_seq_len, max(batch_sizes), log, bundle_seq_len=min(ctx, 2048))
+    built = _build(cfg, threads, max_seq_len, max(batch_sizes), log, min(ctx, 2048), ids[:2], batch_sizes, machine)
     built.block_size = B
     if not built.systems:
         raise RetraceError("no system could be built: " + "; ".join(f"{s['name']}: {s['reason']}" for s in built.skipped))
@@ -294,25 +307,73 @@ def run_bench(cfg: BenchConfig, console=None, show_progress: bool = True) -> dic
         def advance(n: int) -> None:
             bar.advance(task, n)
 
-        if cfg.warmup:
-            for s, b in pairs:
-                bar.update(task, description=f"warm-up {s.name} b={b}")
-                s.run(ids[:b], N, b, advance)
-        for k in range(cfg.runs):
-            for s, b in _order(pairs, k, cfg.runs):
-                bar.update(task, description=f"run {k + 1}/{cfg.runs} {s.name} b={b}")
-                runs[(s.name, b)].append(s.run(ids, N, b, advance))
+        try:
+            if cfg.warmup:
+                for s, b in pairs:
+                    bar.update(task, description=f"warm-up {s.name} b={b}")
+                    s.run(ids[:b], N, b, advance)
+            from retrace.bench.isolate import IdleMeter
 
-    profile = None
-    if cfg.profile:
-        profile = _profile(cfg.profile, built.systems, ids, N, log)
+            meter = IdleMeter(built.workers)
+            for k in range(cfg.runs):
+                for s, b in _order(pairs, k, cfg.runs):
+                    bar.update(task, description=f"run {k + 1}/{cfg.runs} {s.name} b={b}")
+                    done = meter.around(getattr(s, "worker", None))
+                    runs[(s.name, b)].append(s.run(ids, N, b, advance))
+                    done()
+
+            profile = None
+            if cfg.profile:
+                profile = _profile(cfg.profile, built.systems, ids, N, log)
+        except BaseException:
+            _close(built)
+            raise
 
     machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    machine["idle_workers"] = meter.report() if built.workers else None
     results = assemble(cfg, built, runs, prompts, batch_sizes, machine, threads)
     results["profile"] = profile
+    _close(built)
+    return results
+
+
+def _close(built: Built) -> None:
     for s in built.systems:
         s.close()
-    return results
+    for w in built.workers:
+        w.close()
+    built.workers = []
+
+
+def _build(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: int, log, bundle_seq_len: int,
+           tune_prompts, batch_sizes, machine: dict) -> Built:
+    """In this process (--peer-env inherit) or in one worker process per group (retrace.bench.isolate)."""
+    from dataclasses import asdict
+
+    from retrace.bench.isolate import build_isolated, in_process_env
+
+    if cfg.peer_env == "inherit":
+        built = build_systems(cfg, threads, max_seq_len, max_batch, log, bundle_seq_len=bundle_seq_len,
+                              tune_prompts=tune_prompts)
+        for s in built.systems:
+            s.env = in_process_env(threads)
+        return built
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    if cache is None:
+        from retrace.bench.builds import default_cache_dir
+
+        cache = default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    from retrace.bench.builds import dir_digest
+
+    conf = {k: v for k, v in asdict(cfg).items() if k not in ("extra",)}
+    request = {"op": "build", "config": conf, "max_seq_len": max_seq_len, "max_batch": max_batch,
+               "bundle_seq_len": bundle_seq_len, "tune_prompts": tune_prompts, "batch_sizes": list(batch_sizes),
+               "cpu": machine["cpu"], "model_digest": dir_digest(cfg.target, cfg.drafter)}
+    built = Built()
+    built.systems, built.skipped, built.builds, built.workers = build_isolated(cfg, threads, request, cache, log,
+                                                                               tune_prompts)
+    return built
 
 
 def _profile(path: str, systems: list[System], ids, n: int, log) -> dict | None:
@@ -324,6 +385,10 @@ def _profile(path: str, systems: list[System], ids, n: int, log) -> dict | None:
         (s for s in systems if s.family == "retrace"), None)
     if target is None:
         return None
+    if getattr(target, "worker", None) is not None:
+        log(f"profiling one run of {target.name} at batch 1 (in its worker)")
+        return target.worker.call({"op": "profile", "path": path, "name": target.name, "prompts": ids,
+                                   "n": n})["profile"]
     log(f"profiling one run of {target.name} at batch 1")
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -405,7 +470,8 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
     systems: list[dict] = []
     for b in batch_sizes:
         for s in built.systems:
-            entry = {"name": s.name, "family": s.family, "backend": s.backend, "mode": s.mode, "batch_size": b}
+            entry = {"name": s.name, "family": s.family, "backend": s.backend, "mode": s.mode, "batch_size": b,
+                     "env": getattr(s, "env", None), "settings": getattr(s, "settings", None)}
             why = s.supports(b)
             if why is not None:
                 systems.append({**entry, "status": "n/a", "reason": why, "tokens_per_s": None,
@@ -414,6 +480,9 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
             rs = runs[(s.name, b)]
             tps = [sum(len(o) for o in r.outputs) / r.wall_s for r in rs]
             tau, rounds = _tau(rs[0].accepted)
+            spec = rs[0].stats
+            if spec is not None:  # onnxruntime-genai's own count: tokens emitted per speculative round
+                tau, rounds = spec["tokens_per_round"], spec["rounds"]
             lengths_ok = all(len(o) == N for r in rs for o in r.outputs)
             stable = all(r.outputs == rs[0].outputs for r in rs[1:])
             systems.append({
@@ -424,7 +493,8 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
                 "wall_s_runs": [r.wall_s for r in rs],
                 "tokens_per_run": sum(len(o) for o in rs[0].outputs),
                 "tau": tau,
-                "rounds": rounds if rs[0].accepted is not None else None,
+                "rounds": rounds if rs[0].accepted is not None or spec is not None else None,
+                "speculative_stats": spec,
                 "accepted_hist": _hist(rs[0].accepted) if rs[0].accepted is not None else None,
                 "time_split": _time_split(rs),
                 "exact_length": lengths_ok,

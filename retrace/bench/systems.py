@@ -9,7 +9,11 @@ work:
 - `hf-dflash`: transformers' own DFlash assisted generation with the same drafter weights (batch 1 only;
   rounds counted through `DFlashTokenCandidateGenerator.update_candidate_strategy`);
 - `ortgenai-ar`: onnxruntime-genai's autoregressive decoding of the same target (`eos_token_id: []` in its
-  config copy, right padding for batches, `max_length = longest prompt + n`).
+  config copy, right padding for batches, `max_length = longest prompt + n`);
+- `ortgenai-ngram[-adaptive]`, `ortgenai-draft[-adaptive]`: onnxruntime-genai's own speculative decoding
+  (n-gram lookup, or a small autoregressive draft model wired as `model.draft` in its config) through
+  `GeneratorParams.set_speculative_options`, greedy, batch 1 only; `Generator.get_speculative_stats()`
+  summed over the prompts.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class RunOut:
     # per prompt, per verify round: accepted drafts as the system itself counts them (None for AR peers)
     accepted: list[list[int]] | None = None
     time: dict | None = None  # ours: the loop's split and the time inside model forwards
+    stats: dict | None = None  # onnxruntime-genai's speculative statistics, summed over the prompts
 
 
 def chunks(items: list, size: int) -> Iterator[list]:
@@ -234,17 +239,41 @@ class HFDFlashSystem(System):
 
 
 # ----------------------------------------------------------------------------------------------- onnxruntime-genai
+def sum_speculative_stats(per_prompt: list[dict]) -> dict:
+    """Counters (`rounds`, `draft_tokens_accepted`, ...) summed over prompts; the rates recomputed from them
+    (`acceptance_rate` = accepted / evaluated, `tokens_per_round` = emitted / rounds)."""
+    keep = ("rounds", "draft_tokens_proposed", "draft_tokens_evaluated", "draft_tokens_accepted",
+            "correction_tokens", "bonus_tokens", "tokens_emitted", "draft_forward_passes", "target_forward_passes",
+            "target_verify_forward_passes", "target_reanchor_forward_passes", "standard_fallback_steps",
+            "full_accept_rounds", "partial_accept_rounds", "zero_accept_rounds", "ngram_lookup_hits",
+            "ngram_lookup_misses", "adaptive_k_increases", "adaptive_k_decreases")
+    out = {k: sum(int(s.get(k, 0)) for s in per_prompt) for k in keep}
+    out["acceptance_rate"] = out["draft_tokens_accepted"] / out["draft_tokens_evaluated"] \
+        if out["draft_tokens_evaluated"] else None
+    out["tokens_per_round"] = out["tokens_emitted"] / out["rounds"] if out["rounds"] else None
+    out["effective_k_last"] = [s.get("effective_k") for s in per_prompt]
+    return out
+
+
 class OrtGenaiSystem(System):
+    """`speculative`: options for `GeneratorParams.set_speculative_options` (None: plain AR). `model` may be
+    an `og.Model` already loaded (the n-gram systems share the AR system's)."""
+
     name = "ortgenai-ar"
 
-    def __init__(self, model_dir, pad_id: int | None):
+    def __init__(self, model_dir, pad_id: int | None, name: str = "ortgenai-ar", speculative: dict | None = None,
+                 model=None):
         import onnxruntime_genai as og
 
         self.og = og
-        self.model = og.Model(str(model_dir))
+        self.model = model if model is not None else og.Model(str(model_dir))
         self.pad_id = pad_id
+        self.name = name
+        self.speculative = dict(speculative) if speculative else None
 
     def supports(self, batch_size: int) -> str | None:
+        if self.speculative and batch_size > 1:
+            return "onnxruntime-genai's speculative decoding runs batch 1 only"
         if batch_size > 1 and self.pad_id is None:
             return "the model has no pad_token_id, which onnxruntime-genai needs to batch prompts"
         return None
@@ -254,6 +283,7 @@ class OrtGenaiSystem(System):
 
         og = self.og
         outputs: list[list[int]] = []
+        stats: list[dict] = []
         t0 = time.perf_counter()
         for chunk in chunks(prompts, batch_size):
             L = max(len(p) for p in chunk)
@@ -263,13 +293,18 @@ class OrtGenaiSystem(System):
                 arr[i, : len(p)] = p
             params = og.GeneratorParams(self.model)
             params.set_search_options(max_length=L + n, do_sample=False, batch_size=len(chunk))
+            if self.speculative:
+                params.set_speculative_options(**self.speculative)
             gen = og.Generator(self.model, params)
             gen.append_tokens(arr)
             while not gen.is_done():
                 gen.generate_next_token()
             for i in range(len(chunk)):
                 outputs.append([int(t) for t in gen.get_sequence(i)[L:]])
+            if self.speculative:
+                stats.append(gen.get_speculative_stats())
             del gen
             if progress is not None:
                 progress(n * len(chunk))
-        return RunOut(outputs, time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        return RunOut(outputs, wall, stats=sum_speculative_stats(stats) if self.speculative else None)

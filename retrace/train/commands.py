@@ -262,6 +262,33 @@ _SHAPE_OPT = {"hidden-size": "hidden_size", "layers": "num_hidden_layers", "head
               "vocab-size": "vocab_size"}
 
 
+@zoo.command("draft-ar")
+@click.option("--from", "zoo_dir", required=True, type=click.Path(file_okay=False),
+              help="a zoo directory (ZOO/target, ZOO/data/train_prompts.jsonl)")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="default ZOO/draft-ar")
+@click.option("--layers", type=int, default=1, show_default=True, help="decoder layers (1-4)")
+@click.option("--seconds", type=float, default=90.0, show_default=True, help="training time budget")
+@click.option("--num-prompts", type=int, default=256, show_default=True, help="training prompts (target responses)")
+@click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quiet", is_flag=True)
+@cli_errors
+def zoo_draft_ar(zoo_dir, out_dir, layers, seconds, num_prompts, threads, seed, quiet) -> None:
+    """Distil a small autoregressive Qwen3 draft model (same tokenizer) from a zoo target on its own greedy
+    responses: the draft model of onnxruntime-genai's speculative peer `ortgenai-draft` (cached)."""
+    from pathlib import Path
+
+    from retrace.train.draft_ar import DraftArConfig, train_draft_ar
+
+    z = Path(zoo_dir)
+    out = Path(out_dir) if out_dir else z / "draft-ar"
+    cfg = DraftArConfig(layers=layers, seconds=seconds, num_prompts=num_prompts, threads=threads, seed=seed)
+    meta = train_draft_ar(z / "target", out, z / "data" / "train_prompts.jsonl", cfg, progress=not quiet)
+    click.echo(f"{out}: {layers}-layer draft, {meta['params'] / 1e6:.2f}M params; greedy agreement with the "
+               f"target {meta['greedy_agreement_init']:.3f} at init -> {meta['greedy_agreement']:.3f} after "
+               f"{meta['train']['steps']} steps ({meta['train']['train_s']} s)")
+
+
 @click.command("eval")
 @click.option("--target", "target_dir", required=True, type=click.Path(file_okay=False))
 @click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False))
