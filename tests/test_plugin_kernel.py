@@ -184,7 +184,11 @@ def test_dispatch_routes_by_device_and_grad(monkeypatch):
     from retrace.plugins import gated_suffix_fusion as gsf
     from retrace.plugins.triton_kernel import gated_suffix_fusion_triton
 
+    assert gsf._cuda_impl() is gsf.gated_suffix_fusion_reference  # the faster one on an H200
+    gsf._cuda_impl.cache_clear()
+    monkeypatch.setenv("RETRACE_SUFFIX_FUSION", "triton")
     assert gsf._cuda_impl() is gated_suffix_fusion_triton  # triton is installed in dev envs
+    gsf._cuda_impl.cache_clear()
     calls = []
     monkeypatch.setattr(gsf, "_cuda_impl", lambda: lambda *a, **k: calls.append("triton") or "T")
     monkeypatch.setattr(gsf, "gated_suffix_fusion_reference", lambda *a, **k: calls.append("ref") or "R")

@@ -17,6 +17,7 @@ identity, so a zero-initialised conditioner is exactly DFlash.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -53,7 +54,12 @@ def gated_suffix_fusion_reference(
 
 @functools.cache
 def _cuda_impl():
-    """The CUDA implementation, resolved once: the Triton kernels if triton imports, else the reference."""
+    """The CUDA implementation, resolved once. The torch reference by default: on an H200 (gpu_check,
+    2026-11-30, N=8 B=16 d=4096) the two Triton kernels took 0.16x (fp32) and 0.38x (fp16/bf16) of the
+    reference's speed, whose three matmuls go to cuBLAS. RETRACE_SUFFIX_FUSION=triton selects the kernels
+    (they stay what the TensorRT plugins run)."""
+    if os.environ.get("RETRACE_SUFFIX_FUSION", "reference") != "triton":
+        return gated_suffix_fusion_reference
     try:
         import triton  # noqa: F401
 
@@ -64,8 +70,7 @@ def _cuda_impl():
 
 
 def gated_suffix_fusion(*args, **kwargs) -> torch.Tensor:
-    """Dispatch point used by the models: the Triton kernels for CUDA tensors when triton is installed
-    and no gradient is needed (the kernels have no backward) and autocast is off (the kernels take one dtype;
+    """Dispatch point used by the models: the CUDA implementation (_cuda_impl) for CUDA tensors when no gradient is needed (the kernels have no backward) and autocast is off (the kernels take one dtype;
     autocast hands them mixed ones), else the reference."""
     x = args[0] if args else kwargs["x"]
     if (x.is_cuda and not torch.is_autocast_enabled("cuda")
