@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from retrace.errors import RetraceError
+from retrace.output_dir import staged_output
 
 META = "draft_ar.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -194,9 +194,7 @@ def train_draft_ar(target_dir: str | Path, out_dir: str | Path, data: str | Path
         tr = _train_loop(draft, target, train, cfg, int(pad), log)
         agree = greedy_agreement(draft, target, val)
         log(f"greedy agreement with the target on {len(val)} held-out sequences: {agree0:.3f} -> {agree:.3f}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-        try:
+        with staged_output(out, "draft-ar", force=True, what="AR draft model") as tmp:
             draft.generation_config = target.generation_config
             draft.save_pretrained(str(tmp), safe_serialization=True)
             for f in TOKENIZER_FILES:
@@ -208,12 +206,6 @@ def train_draft_ar(target_dir: str | Path, out_dir: str | Path, data: str | Path
                     "greedy_agreement_init": agree0, "greedy_agreement": agree, "val_sequences": len(val),
                     "train": tr, "responses_s": round(gen_s, 2), "total_s": round(time.perf_counter() - t_all, 2)}
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return meta
 
 
@@ -228,8 +220,7 @@ def pad_vocab(src: str | Path, out: str | Path, vocab_size: int) -> Path:
     old = int(cfg["vocab_size"])
     if vocab_size < old:
         raise RetraceError(f"pad_vocab: {src} has vocab {old} > {vocab_size}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with staged_output(out, "padded-model", force=True, what="vocab-padded model") as tmp:
         for f in src.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
                 shutil.copy2(f, tmp / f.name)
@@ -242,12 +233,6 @@ def pad_vocab(src: str | Path, out: str | Path, vocab_size: int) -> Path:
         cfg["vocab_size"] = vocab_size
         cfg["retrace_padded_vocab"] = {"real_vocab_size": old}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

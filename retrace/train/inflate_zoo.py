@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 
 from retrace.errors import RetraceError
+from retrace.output_dir import staged_output
 
 INFLATE_VERSION = 1
+KIND = "inflated-zoo"  # owner marker kind (retrace.output_dir)
 MANIFEST = "manifest.json"
 REQUIRED = ["target/config.json", "target/model.safetensors", "drafter/config.json", "drafter/model.safetensors",
             "drafter/retrace_config.json", "drafter/retrace.safetensors", MANIFEST]
@@ -107,16 +107,8 @@ def build_inflated(zoo: str | Path, out: str | Path, shape, seed: int = 0, check
         if man is not None:
             _log(progress, f"cache hit: {out / MANIFEST}")
             return dict(man, cached=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_output(out, KIND, force=True, what="inflated zoo") as tmp:
         man = _build(zoo, tmp, shape, seed, checks, key, progress)
-        from retrace.train.zoo import _install
-
-        _install(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dict(man, cached=False)
 
 
