@@ -65,11 +65,11 @@ def world(tmp_path_factory, _one_thread) -> World:
 
 
 def runtime(w: World, block: int | None = None, oracle: bool = False, target: Path | None = None,
-            max_batch: int = 8) -> Runtime:
+            max_batch: int = 8, policy="adaptive") -> Runtime:
     be = TorchBackend.from_dirs(target or w.target, w.drafter, max_batch=max_batch, max_seq_len=128)
     if oracle:
         be = OracleDrafter(be, w.sequences(), seed=block or 0)
-    return Runtime(be, TextCodec.find(target or w.target), block_size=block)
+    return Runtime(be, TextCodec.find(target or w.target), block_size=block, verify_policy=policy)
 
 
 def check_exact(results, expected: list[list[int]], label: str) -> None:
@@ -107,7 +107,7 @@ def test_accepted_drafts_stay_exact(world, block):
     """Oracle drafts: acceptance lengths 0..B-1 all occur, tau > 1, and outputs are still exact."""
     want = [g[:MAX_NEW] for g in world.greedy]
     for mode in ("dflash", "retrace"):
-        rt = runtime(world, block, oracle=True)
+        rt = runtime(world, block, oracle=True, policy="fixed")
         res = rt.generate(world.prompts, SamplingParams(max_new_tokens=MAX_NEW), mode)
         check_exact(res, want, f"oracle {mode} block {block}")
         stats = rt.run_stats()
@@ -206,7 +206,7 @@ def test_stop_string_in_a_batch_does_not_disturb_others(world):
 
 def test_oracle_acceptance_lengths_are_spread(world):
     """Guard on the oracle itself: its rejection slots cover 1..B (B = whole block right)."""
-    rt = runtime(world, 8, oracle=True)
+    rt = runtime(world, 8, oracle=True, policy="fixed")
     rt.generate(world.prompts, SamplingParams(max_new_tokens=MAX_NEW), "dflash")
     seen = Counter(rt.backend.rejection_slots)
     assert set(seen) == set(range(1, 9))
