@@ -18,7 +18,7 @@ import torch
 
 class Calibration:
     def __init__(self, bins: int = 10, prior: torch.Tensor | None = None, prior_weight: float = 4.0,
-                 window: float = 2000.0):
+                 window: float = 500.0):
         centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
         rate = centres if prior is None else torch.as_tensor(prior, dtype=torch.float64)
         self.bins = bins

@@ -17,7 +17,8 @@ ragged variant stays for measurement (benchmarks/verify_policy.py).
 Auto-off: K = 0 is plain decoding. The draft call itself is decided before drafting (its confidences do
 not exist yet), from the recent gain g = best rate / plain-decoding rate N / t_verify(N, 1) of drafted
 rounds (an EMA): when g < 1 the next `backoff` rounds of that mode skip the draft call (K = 0 for every
-row); then one round drafts again (a probe) and its g restarts the average. Each failed probe doubles
+row); then one round drafts again (a probe: it verifies at least one draft per row, so the calibration keeps
+learning) and its g restarts the average. Each failed probe doubles
 the backoff (up to `max_backoff` rounds), a paying round resets it, so a drafter that never pays costs one
 draft call every `max_backoff` rounds and one that starts paying is back on within that many rounds.
 """
@@ -99,7 +100,7 @@ class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(self, block_size: int, cost: CostModel | None = None, ragged: bool = False,
-                 min_backoff: int = 4, max_backoff: int = 256, gain_alpha: float = 0.3,
+                 min_backoff: int = 8, max_backoff: int = 256, gain_alpha: float = 0.3,
                  learn_cost: bool = True):
         self.block_size = block_size
         self.cost = cost or CostModel()
@@ -139,11 +140,14 @@ class AdaptivePolicy:
         t_round = t_draft + t_verify
         rate = (N + gain.sum(0)) / t_round
         best = int(rate.argmax())
+        probe = self._state(mode).gain is None  # the first drafted round after a pause (or ever)
         self._update_gain(mode, float(rate[best] * t_verify[0] / N))
         if not self.ragged:
-            return torch.full((N,), best, dtype=torch.int64)
-        lam = rate[best]
-        return (1 + gain - lam * t_round.unsqueeze(0) / N).argmax(1)
+            k = torch.full((N,), best, dtype=torch.int64)
+        else:
+            k = (1 + gain - rate[best] * t_round.unsqueeze(0) / N).argmax(1)
+        # a probe judges at least one draft per row, so the calibration keeps learning while drafting is off
+        return k.clamp_min(min(1, S)) if probe else k
 
     def _update_gain(self, mode: str, g: float) -> None:
         st = self._state(mode)
