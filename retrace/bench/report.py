@@ -45,7 +45,7 @@ def rows(results: dict) -> list[dict]:
 def fidelity_line(results: dict) -> str:
     f = results.get("fidelity")
     if not f:
-        return "fidelity: n/a (needs retrace-torch-dflash and hf-dflash at batch 1)"
+        return "fidelity: n/a (needs retrace-torch-dflash-fixed and hf-dflash at batch 1)"
     verdict = "within 1%" if f["within_1pct"] else "NOT within 1%"
     return (f"fidelity (T=0, same weights): our dflash tau {f['tau_ours']:.4f} vs transformers' DFlash "
             f"{f['tau_hf']:.4f} ({100 * f['rel_gap']:+.2f}%, {verdict}); counted as tokens kept per round "
