@@ -54,6 +54,7 @@ class Request:
     anchor_pos: int = -1
     ctx_taps: torch.Tensor | None = None  # target taps not yet given to the drafter (the last verify's)
     ctx_parts: list[torch.Tensor] = field(default_factory=list)  # earlier ones, from rounds without a draft
+    ctx_parts_len: int = 0  # their total length
     ctx_pos0: int = 0  # absolute position of ctx_taps[0]
     generator: torch.Generator | None = None
     t_start: float = 0.0
@@ -177,7 +178,7 @@ class Scheduler:
         self.timing.prefill += time.perf_counter() - t0
         for i, r in enumerate(reqs):
             first = self._sample_one(logits[i, 0], r)
-            r.ctx_taps, r.ctx_parts, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], [], 0
+            r.ctx_taps, r.ctx_parts, r.ctx_parts_len, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], [], 0, 0
             r.anchor, r.anchor_pos = first, len(r.prompt_ids)
             self._commit(r, [first], events)
 
@@ -242,8 +243,11 @@ class Scheduler:
         gave the drafter nothing: its pending taps (up to the anchor) stay and the new ones follow."""
         if drafted:
             r.ctx_parts, r.ctx_pos0 = [], r.anchor_pos
-        else:
-            r.ctx_parts.append(r.ctx_taps[: r.anchor_pos - r.ctx_pos0 - sum(t.shape[0] for t in r.ctx_parts)])
+        else:  # the valid part of the last taps: up to the anchor (the parts before it are all valid)
+            r.ctx_parts.append(r.ctx_taps[: r.anchor_pos - r.ctx_pos0 - r.ctx_parts_len])
+            r.ctx_parts_len += r.ctx_parts[-1].shape[0]
+        if not r.ctx_parts:
+            r.ctx_parts_len = 0
         r.ctx_taps = taps
 
     def _context(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +257,7 @@ class Scheduler:
         for r in reqs:
             if r.ctx_parts:
                 r.ctx_taps = torch.cat(r.ctx_parts + [r.ctx_taps])
-                r.ctx_parts = []
+                r.ctx_parts, r.ctx_parts_len = [], 0
         C = max(r.ctx_taps.shape[0] for r in reqs)
         if all(r.ctx_taps.shape[0] == C for r in reqs):
             taps = torch.stack([r.ctx_taps for r in reqs])

@@ -85,8 +85,9 @@ class SuffixMemory:
         target_argmax [N,K+1] optional (verify_logits.argmax(-1), if the caller has it); verified [N]: the
         drafts each row sent to the target (default: all K). Only scored drafts are remembered."""
         if hidden is None:
-            for s in slots.tolist():
-                self.clear(s)
+            if bool((self.position[slots] >= 0).any()):  # one check per round while drafting is off
+                for s in slots.tolist():
+                    self.clear(s)
             return
         B = self.block_size
         K = verify_logits.shape[1] - 1

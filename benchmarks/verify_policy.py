@@ -1,0 +1,110 @@
+"""Verify policies side by side (not a test): tokens/s, tau, verify_hist and draft calls per policy.
+
+    python benchmarks/verify_policy.py --engine BUNDLE [--backend onnxruntime] [--batch-sizes 1,4]
+                                       [--max-new-tokens 64] [--prompts 4] [--prompt-len 32] [--threads 2]
+    python benchmarks/verify_policy.py --target DIR --drafter DIR ...          (torch backend)
+
+Systems, all on ONE backend (same caches, same weights), run one after another per batch size:
+  ar; <mode>-fixed (the whole block every round); <mode>-adaptive (runtime/verify_policy.py, shared K);
+  <mode>-ragged (the adaptive policy with a per-row K, for comparison), for mode in --modes.
+Every output is compared with ar's (greedy: they must be equal). Prompts: random token ids (a random-weight
+pair has no text worth the name), seeded. At the Qwen3-0.6B shape with random weights (no draft is ever
+accepted) the adaptive policy must find that drafting never pays: verify_hist all at K = 0, within a few
+percent of ar. On a shared machine read the figures as indicative (ratios within one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.verify_policy import AdaptivePolicy
+
+
+def make_policies(block: int) -> dict:
+    return {"fixed": lambda: "fixed", "adaptive": lambda: "adaptive",
+            "ragged": lambda: AdaptivePolicy(block, ragged=True)}
+
+
+def run(rt_base: Runtime, policy, prompts, mode: str, batch: int, max_new: int) -> dict:
+    rt = Runtime(rt_base.backend, rt_base.codec, rt_base.block_size, verify_policy=policy)
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    calls = {"draft": 0}
+    inner = rt.backend.draft
+
+    def counted(*a):
+        calls["draft"] += 1
+        return inner(*a)
+
+    rt.backend.draft = counted
+    try:
+        outs = []
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            outs += [r.token_ids for r in rt.generate(prompts[i:i + batch], params, mode)]
+        wall = time.perf_counter() - t0
+    finally:
+        del rt.backend.draft
+    st = rt.run_stats()
+    return {"tokens_per_s": sum(len(o) for o in outs) / wall, "wall_s": wall, "tau": st["tau"],
+            "verify_hist": st["verify_hist"], "rounds": st["rounds"], "draft_calls": calls["draft"],
+            "other_share": st["time"]["other_share"], "outputs": outs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine")
+    ap.add_argument("--backend", default="onnxruntime")
+    ap.add_argument("--target")
+    ap.add_argument("--drafter")
+    ap.add_argument("--batch-sizes", default="1")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--modes", default="dflash")
+    ap.add_argument("--policies", default="fixed,adaptive,ragged")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    if a.engine:
+        rt = Runtime.from_bundle(a.engine, backend=a.backend, max_batch=max(batches), threads=a.threads,
+                                 max_seq_len=a.prompt_len + a.max_new_tokens + 40)
+    else:
+        rt = Runtime.from_dirs(a.target, a.drafter, max_batch=max(batches), threads=a.threads,
+                               max_seq_len=a.prompt_len + a.max_new_tokens + 40)
+    V = rt.backend.target_config.vocab_size
+    g = torch.Generator().manual_seed(a.seed)
+    prompts = [torch.randint(0, V - 1, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
+    block = rt.block_size or rt.backend.drafter_config.block_size
+    policies = make_policies(block)
+    rt.generate(prompts[:1], SamplingParams(max_new_tokens=4), "ar")  # warm-up
+    rows = []
+    for b in batches:
+        ar = run(rt, "fixed", prompts, "ar", b, a.max_new_tokens)
+        rows.append({"system": "ar", "batch": b, **ar})
+        for mode in a.modes.split(","):
+            for name in a.policies.split(","):
+                r = run(rt, policies[name](), prompts, mode, b, a.max_new_tokens)
+                r["equal_to_ar"] = r["outputs"] == ar["outputs"]
+                r["vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+                rows.append({"system": f"{mode}-{name}", "batch": b, **r})
+    print(f"{'system':18s} {'batch':>5s} {'tok/s':>8s} {'vs ar':>6s} {'tau':>5s} {'draft calls':>11s} "
+          f"{'rounds':>6s}  verify_hist")
+    for r in rows:
+        print(f"{r['system']:18s} {r['batch']:5d} {r['tokens_per_s']:8.1f} {r.get('vs_ar', 1.0):6.2f} "
+              f"{r['tau'] or 0:5.2f} {r['draft_calls']:11d} {r['rounds']:6d}  {r['verify_hist']}"
+              + ("" if r.get("equal_to_ar", True) else "  OUTPUT DIFFERS FROM AR"))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k != "outputs"} for r in rows], f, indent=1)
+    return 0 if all(r.get("equal_to_ar", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
