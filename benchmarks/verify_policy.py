@@ -3,6 +3,9 @@
     python benchmarks/verify_policy.py --engine BUNDLE [--backend onnxruntime] [--batch-sizes 1,4]
                                        [--max-new-tokens 64] [--prompts 4] [--prompt-len 32] [--threads 2]
     python benchmarks/verify_policy.py --target DIR --drafter DIR ...          (torch backend)
+    python benchmarks/verify_policy.py --random-qwen3-0.6b DIR ...  (writes a random-weight Qwen3-0.6B-shaped
+        pair there first: hidden 1024, 28 layers, heads 16/8, head_dim 128, MLP 3072, vocab 151936; a
+        1-layer drafter, block 16; then runs it on the torch backend)
 
 Systems, all on ONE backend (same caches, same weights), run one after another per batch size:
   ar; <mode>-fixed (the whole block every round); <mode>-adaptive (runtime/verify_policy.py, shared K);
@@ -18,11 +21,33 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.verify_policy import AdaptivePolicy
+
+
+def random_qwen3_06b(root: Path) -> tuple[Path, Path]:
+    """The Qwen3-0.6B shape with random weights, and a random 1-layer DFlash drafter with a conditioner."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from retrace.models.conditioner import ReTraceConditioner
+    from retrace.models.drafter import DFlashDrafter, new_drafter_config
+    from retrace.models.target import Qwen3Target
+
+    if not (root / "drafter" / "config.json").exists():
+        torch.manual_seed(0)
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                          tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
+        target = Qwen3Target.from_pretrained(root / "target")
+        drafter = DFlashDrafter(new_drafter_config(target, num_layers=1, block_size=16), target)
+        drafter.conditioner = ReTraceConditioner(1024)
+        drafter.save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"
 
 
 def make_policies(block: int) -> dict:
@@ -61,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="onnxruntime")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
+    ap.add_argument("--random-qwen3-0.6b", dest="random_dir")
     ap.add_argument("--batch-sizes", default="1")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
@@ -72,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     batches = [int(b) for b in a.batch_sizes.split(",")]
+    if a.random_dir:
+        a.target, a.drafter = random_qwen3_06b(Path(a.random_dir))
     if a.engine:
         rt = Runtime.from_bundle(a.engine, backend=a.backend, max_batch=max(batches), threads=a.threads,
                                  max_seq_len=a.prompt_len + a.max_new_tokens + 40)

@@ -18,8 +18,11 @@ import torch
 
 class CostModel:
     def __init__(self, rel_slope: float = 0.06, draft_rel: float = 0.5, alpha: float = 0.2,
-                 base_s: float = 1e-3):
+                 base_s: float = 1e-3, min_rel_slope: float = 0.01):
         self.rel_slope = rel_slope  # prior: extra verify cost per added token and row, relative to T=1
+        # floor of a measured slope: timing noise can make a longer verify look free, and then every
+        # hopeless draft would be verified "for nothing"
+        self.min_rel_slope = min_rel_slope
         self.draft_rel = draft_rel  # prior: a draft call relative to a one-token verify
         self.alpha = alpha
         self.base_s = base_s  # prior: seconds of a one-row one-token verify, until one is measured
@@ -58,7 +61,8 @@ class CostModel:
             lo, hi = ts[i - 1], ts[i]
             return table[lo] + (tokens - lo) / (hi - lo) * (table[hi] - table[lo])
         if len(ts) >= 2:
-            slope = max(0.0, (table[ts[-1]] - table[ts[0]]) / (ts[-1] - ts[0]))
+            floor = self.min_rel_slope * rows * table[ts[0]] / (1 + self.min_rel_slope * rows * (ts[0] - 1))
+            slope = max(floor, (table[ts[-1]] - table[ts[0]]) / (ts[-1] - ts[0]))
         else:  # the prior's relative slope, scaled to the one measurement
             slope = rel * table[ts[0]] / (1 + rel * (ts[0] - 1))
         edge = ts[0] if i == 0 else ts[-1]
