@@ -72,7 +72,7 @@ def analysis_lines(results: dict, batch_sizes: tuple[int, ...] = (1,)) -> list[s
             continue
         out.append(
             f"{a['system']} b={a['batch_size']}: a round takes {a['round_ms']:.2f} ms (verify {a['verify_ms']:.2f}, "
-            f"draft {a['draft_ms']:.2f}, outside the forwards {a['outside_forward_ms_per_round']:.2f}) for tau "
+            f"draft {_f(a['draft_ms'], '{:.2f}', 'none')}, outside the forwards {a['outside_forward_ms_per_round']:.2f}) for tau "
             f"{a['tau']:.2f} tokens per row; {a['peer']} takes {a['peer_ms_per_step']:.2f} ms per step of "
             f"{a['batch_size']} token(s), so one verify costs {a['verify_over_peer_step']:.1f} of its steps; ratio "
             f"{a['ratio']:.2f}x, "
