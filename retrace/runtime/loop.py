@@ -9,6 +9,8 @@ One round for the requests of one mode, top to bottom as in the paper:
   5. commit  tokens, stop checks; the verify taps become the drafter's next context.
 `ar` mode is the same round with no drafts. Requests join (prefill) and leave between rounds; every cache
 is indexed by absolute position, so nothing is copied when a row accepts fewer tokens than another.
+A verify policy (runtime/verify_policy.py) decides, before 1., whether the round drafts at all and, after
+it, how many drafts K each row sends to 2. (K = 0 is plain decoding; fewer drafts never change the output).
 """
 
 from __future__ import annotations
