@@ -68,14 +68,14 @@ def run(rt_base: Runtime, policy, prompts, mode: str, batch: int, max_new: int) 
     rt.backend.draft = counted
     try:
         outs = []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for i in range(0, len(prompts), batch):
             outs += [r.token_ids for r in rt.generate(prompts[i:i + batch], params, mode)]
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         del rt.backend.draft
     st = rt.run_stats()
-    return {"tokens_per_s": sum(len(o) for o in outs) / wall, "wall_s": wall, "tau": st["tau"],
+    return {"tokens_per_s": sum(len(o) for o in outs) / wall, "wall_s": wall, "cpu_s": cpu, "tau": st["tau"],
             "verify_hist": st["verify_hist"], "rounds": st["rounds"], "draft_calls": calls["draft"],
             "other_share": st["time"]["other_share"], "outputs": outs}
 
@@ -121,11 +121,13 @@ def main(argv=None) -> int:
                 r = run(rt, policies[name](), prompts, mode, b, a.max_new_tokens)
                 r["equal_to_ar"] = r["outputs"] == ar["outputs"]
                 r["vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+                r["vs_ar_cpu"] = ar["cpu_s"] / r["cpu_s"]  # CPU seconds: steadier on a shared machine
                 rows.append({"system": f"{mode}-{name}", "batch": b, **r})
-    print(f"{'system':18s} {'batch':>5s} {'tok/s':>8s} {'vs ar':>6s} {'tau':>5s} {'draft calls':>11s} "
-          f"{'rounds':>6s}  verify_hist")
+    print(f"{'system':18s} {'batch':>5s} {'tok/s':>8s} {'vs ar':>6s} {'cpu vs ar':>9s} {'tau':>5s} "
+          f"{'draft calls':>11s} {'rounds':>6s}  verify_hist")
     for r in rows:
         print(f"{r['system']:18s} {r['batch']:5d} {r['tokens_per_s']:8.1f} {r.get('vs_ar', 1.0):6.2f} "
+              f"{r.get('vs_ar_cpu', 1.0):9.2f} "
               f"{r['tau'] or 0:5.2f} {r['draft_calls']:11d} {r['rounds']:6d}  {r['verify_hist']}"
               + ("" if r.get("equal_to_ar", True) else "  OUTPUT DIFFERS FROM AR"))
     if a.json:
