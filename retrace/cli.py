@@ -59,7 +59,7 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
 
 
 def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                  verify_bundle: bool = True):
+                  verify_bundle: bool = True, verify_policy: str = "adaptive"):
     """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch)."""
     from retrace.runtime import Runtime
 
@@ -73,7 +73,8 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
             raise RetraceError("give either --engine or --target/--drafter, not both")
         extra = {} if verify_bundle else {"verify": False}
         return Runtime.from_bundle(engine, backend=backend or "onnxruntime", block_size=block_size,
-                                   max_batch=max_batch, max_seq_len=max_seq_len, threads=threads, **extra)
+                                   max_batch=max_batch, max_seq_len=max_seq_len, threads=threads,
+                                   verify_policy=verify_policy, **extra)
     if target is None:
         raise RetraceError("give --target (and --drafter) or --engine")
     from retrace.models.config import Qwen3Config
@@ -82,7 +83,15 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
     if max_seq_len is not None and max_seq_len > max_pos:
         raise RetraceError(f"--max-seq-len {max_seq_len} exceeds the target's max_position_embeddings {max_pos}")
     return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch or 8,
-                             max_seq_len=max_seq_len or min(2048, max_pos), block_size=block_size, threads=threads)
+                             max_seq_len=max_seq_len or min(2048, max_pos), block_size=block_size, threads=threads,
+                             verify_policy=verify_policy)
+
+
+def verify_policy_option(default: str):
+    return click.option("--verify-policy", type=click.Choice(["adaptive", "fixed"]), default=default,
+                        show_default=True,
+                        help="drafts verified per round: adaptive = as many as pay for themselves on this machine "
+                             "(none: plain decoding), fixed = the whole block")
 
 
 def runtime_options(fn):
@@ -99,6 +108,7 @@ def runtime_options(fn):
         click.option("--threads", type=int, default=None, help="CPU threads for the backend"),
         click.option("--no-verify-bundle", "no_verify_bundle", is_flag=True,
                      help="skip re-hashing the bundle's files on load (sizes are still checked)"),
+        verify_policy_option("adaptive"),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -129,7 +139,7 @@ def sampling_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with outputs and stats")
 @cli_errors
 def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
-             prompt, prompt_ids,
+             verify_policy, prompt, prompt_ids,
              prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, as_json) -> None:
     """Generate with speculative decoding (lossless: greedy output equals the target's own)."""
     import json
@@ -144,7 +154,7 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
                             seed=seed, stop=tuple(stop))
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)
     rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                       verify_bundle=not no_verify_bundle)
+                       verify_bundle=not no_verify_bundle, verify_policy=verify_policy)
     if as_json:
         results = rt.generate(prompts, params, mode)
     else:
@@ -166,7 +176,7 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
         click.echo(r.text if r.text is not None else ",".join(map(str, r.token_ids)))
     t = stats["time"]
     click.echo(f"--- {stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau'] or 0:.2f}, "
-               f"rounds {stats['rounds']}; time draft {t['draft_s']:.2f}s verify {t['verify_s']:.2f}s "
+               f"rounds {stats['rounds']}, verified drafts {stats['verify_hist']}; time draft {t['draft_s']:.2f}s verify {t['verify_s']:.2f}s "
                f"prefill {t['prefill_s']:.2f}s other {t['other_s']:.2f}s", err=True)
 
 
@@ -204,12 +214,14 @@ main.add_command(eval_cmd)
 @click.option("--profile", "profile_out", type=click.Path(), default=None,
               help="cProfile one batch-1 run of the headline retrace system into this file")
 @click.option("--readme-table", is_flag=True, help="print the results as a markdown table (for the README)")
+@verify_policy_option("adaptive")
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
-          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, markdown_out, from_json) -> None:
+          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, markdown_out,
+          from_json) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -219,7 +231,8 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   cache_dir=cache_dir, build_engine=not no_build_engine, draft_ar=draft_ar, peer_env=peer_env,
                   json_out=json_out, plot_out=plot_out,
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
-                  from_json=from_json, command=command_line(click.get_current_context()))
+                  from_json=from_json, command=command_line(click.get_current_context()),
+                  verify_policy=verify_policy)
 
 
 if __name__ == "__main__":

@@ -151,3 +151,28 @@ def write_pair(root: Path, *, vocab=128, hidden=64, layers=4, heads=4, kv_heads=
 
 __all__ = ["OracleDrafter", "copy_with_eos", "hf_greedy", "load_hf_target", "single_thread", "words",
            "write_pair", "write_word_tokenizer", "WORD"]
+
+
+class LinearCost:
+    """A fixed cost model for deterministic verify-policy decisions: a verify of T tokens per row costs
+    rows * (1 + slope * (T - 1)), a draft rows * draft."""
+
+    def __init__(self, slope: float, draft: float):
+        self.slope, self.draft_cost = slope, draft
+
+    def verify(self, rows: int, tokens: int) -> float:
+        return rows * (1 + self.slope * (tokens - 1))
+
+    def draft(self, rows: int) -> float:
+        return rows * self.draft_cost
+
+    def to_dict(self) -> dict:
+        return {"slope": self.slope, "draft": self.draft_cost}
+
+
+def steep_cost_policy(block_size: int, ragged: bool = False, slope: float = 0.15, draft: float = 0.02):
+    """An adaptive verify policy whose decisions depend only on the drafter's confidences and the rounds'
+    outcomes (no wall-clock time): verifying gets expensive fast, so K varies between 0 and B-1."""
+    from retrace.runtime.verify_policy import AdaptivePolicy
+
+    return AdaptivePolicy(block_size, LinearCost(slope, draft), ragged=ragged, learn_cost=False)

@@ -25,7 +25,7 @@ def test_committed_cuts_only_the_final_round_to_the_tokens_kept():
 def test_fidelity_explains_the_truncated_final_round():
     ours = RunOut([[0] * 10], 1.0, accepted=[[3, 3, 3]])  # runtime counts a=3 in the last round
     hf = RunOut([[0] * 10], 1.0, accepted=[[3, 3, 0]])  # transformers keeps 1 token there
-    f = fidelity({("retrace-torch-dflash", 1): [ours], ("hf-dflash", 1): [hf]}, 10)
+    f = fidelity({("retrace-torch-dflash-fixed", 1): [ours], ("hf-dflash", 1): [hf]}, 10)
     assert f["tau_ours"] == pytest.approx(4.0) and f["tau_hf"] == pytest.approx(3.0)
     assert f["tau_ours_tokens_kept"] == pytest.approx(3.0) and f["rel_gap_tokens_kept"] == pytest.approx(0.0)
     assert not f["within_1pct"] and f["prompts_identical_rounds"] == 1
@@ -35,7 +35,7 @@ def test_fidelity_explains_the_truncated_final_round():
 def test_fidelity_reports_diverging_rounds():
     ours = RunOut([[1] * 7], 1.0, accepted=[[1, 0, 2]])  # 1 + 2 + 1 + 3 = 7
     hf = RunOut([[1] * 7], 1.0, accepted=[[1, 1, 0, 0]])  # 1 + 2 + 2 + 1 + 1 = 7
-    f = fidelity({("retrace-torch-dflash", 1): [ours], ("hf-dflash", 1): [hf]}, 7)
+    f = fidelity({("retrace-torch-dflash-fixed", 1): [ours], ("hf-dflash", 1): [hf]}, 7)
     assert f["prompts_identical_rounds"] == 0
     assert f["diverged"][0]["first_round"] == 1
     assert "argmax" in f["explanation"]
@@ -84,14 +84,14 @@ def test_full_acceptance_eos_ignored_and_tau_conventions(tmp_path):
     threads = torch.get_num_threads()
     target, drafter, prompts = write_bench_pair(tmp_path, zero_logits=True)
     try:
-        r, _, _ = bench(tmp_path, target, drafter, prompts, "--systems", "hf-*,ortgenai-ar,retrace-torch-dflash",
+        r, _, _ = bench(tmp_path, target, drafter, prompts, "--systems", "hf-*,ortgenai-ar,retrace-torch-dflash-fixed",
                         "--batch-sizes", "1", "--peer-env", "defaults")
     finally:
         torch.set_num_threads(threads)
     assert r["agreement"]["all_exact_length"] and r["agreement"]["total_mismatched_prompts"] == 0
     if importlib.util.find_spec("onnxruntime_genai") is not None:
         assert entry(r, "ortgenai-ar", 1)["status"] == "ok"
-    d = entry(r, "retrace-torch-dflash", 1)
+    d = entry(r, "retrace-torch-dflash-fixed", 1)
     assert d["accepted_hist"] == [0, 0, 0, 4]  # 2 prompts x 2 rounds, all drafts (3) accepted
     f = r["fidelity"]
     assert f["tau_ours"] == pytest.approx(4.0)

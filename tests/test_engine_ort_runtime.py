@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, pair_and_bundle
-from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, single_thread, words
+from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, single_thread, steep_cost_policy, words
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
@@ -40,11 +40,11 @@ def world(_one_thread):
     return built, prompts, greedy
 
 
-def ort_runtime(built, oracle_seqs=None, **kw) -> Runtime:
+def ort_runtime(built, oracle_seqs=None, policy="fixed", **kw) -> Runtime:
     be = OnnxRuntimeBackend.from_bundle(built.bundle, threads=1, **kw)
     if oracle_seqs is not None:
         be = OracleDrafter(be, oracle_seqs, seed=3)
-    return Runtime(be, TextCodec.find(built.bundle / "tokenizer"))
+    return Runtime(be, TextCodec.find(built.bundle / "tokenizer"), verify_policy=policy)
 
 
 def check(results, want, label):
@@ -55,30 +55,42 @@ def check(results, want, label):
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("mode", ["ar", "dflash", "retrace"])
 def test_greedy_equals_torch_backend_and_transformers(world, mode, batch):
+    """The default (adaptive) verify policy on ONNX Runtime, the fixed one on torch: same tokens; the
+    fixed policy's rounds are the same on both backends."""
     built, prompts, greedy = world
     params = SamplingParams(max_new_tokens=MAX_NEW)
     want = [g[:MAX_NEW] for g in greedy[:batch]]
     ort_res = Runtime.from_bundle(built.bundle, max_batch=MAX_BATCH, threads=1).generate(prompts[:batch], params, mode)
     check(ort_res, want, f"onnxruntime {mode} batch {batch}")
-    torch_rt = Runtime.from_dirs(built.target, built.drafter, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)
-    torch_res = torch_rt.generate(prompts[:batch], params, mode)
-    assert [r.token_ids for r in ort_res] == [r.token_ids for r in torch_res]
-    assert [r.stats["accepted_hist"] for r in ort_res] == [r.stats["accepted_hist"] for r in torch_res]
+    fixed = {}
+    for name, rt in (("torch", Runtime.from_dirs(built.target, built.drafter, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ,
+                                                 verify_policy="fixed")),
+                     ("onnxruntime", Runtime.from_bundle(built.bundle, max_batch=MAX_BATCH, threads=1,
+                                                         verify_policy="fixed"))):
+        fixed[name] = rt.generate(prompts[:batch], params, mode)
+        assert [r.token_ids for r in fixed[name]] == [r.token_ids for r in ort_res]
+    assert ([r.stats["accepted_hist"] for r in fixed["onnxruntime"]]
+            == [r.stats["accepted_hist"] for r in fixed["torch"]])
     assert all(r.text == words(r.token_ids) for r in ort_res)  # the bundle's tokenizer
 
 
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("mode", ["dflash", "retrace"])
-def test_accepted_drafts_slot_reuse_and_ragged_acceptance(world, mode):
+def test_accepted_drafts_slot_reuse_and_ragged_acceptance(world, mode, policy):
     """6 requests through 4 slots with an oracle drafter: finished requests free slots mid-run (the
-    next call's slots are no longer a contiguous range), every acceptance length 0..B-1 occurs."""
+    next call's slots are no longer a contiguous range); fixed: every acceptance length 0..B-1 occurs;
+    adaptive (a fixed cost model): K varies, outputs the same."""
     built, prompts, greedy = world
     seqs = {tuple(p): p + g for p, g in zip(prompts, greedy, strict=True)}
-    rt = ort_runtime(built, seqs)
+    rt = ort_runtime(built, seqs, policy="fixed" if policy == "fixed" else steep_cost_policy(BLOCK))
     res = rt.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), mode)
-    check(res, [g[:MAX_NEW] for g in greedy], f"oracle {mode}")
+    check(res, [g[:MAX_NEW] for g in greedy], f"oracle {mode} {policy}")
     stats = rt.run_stats()
-    assert len(stats["accepted_hist"]) == BLOCK and all(n > 0 for n in stats["accepted_hist"])
     assert stats["tau"] > 1.5 and stats["backend"].startswith("oracle(onnxruntime")
+    if policy == "fixed":
+        assert len(stats["accepted_hist"]) == BLOCK and all(n > 0 for n in stats["accepted_hist"])
+    else:
+        assert len([n for n in stats["verify_hist"] if n]) >= 3, stats["verify_hist"]
     if mode == "retrace":
         assert rt.backend.suffix_valid_slots > 0
 

@@ -93,9 +93,12 @@ def test_prompts_file_runs_as_one_batch(dirs, tmp_path):
 
 def test_sampling_flags_and_stop(dirs):
     base = ("--target", dirs["target"], "--drafter", dirs["drafter"], "--prompt-ids", "5,9,2", "--json")
-    a = ok_json(run(*base, "--temperature", 0.8, "--top-p", 0.9, "--top-k", 20, "--seed", 1, "--max-new-tokens", 16))
-    b = ok_json(run(*base, "--temperature", 0.8, "--top-p", 0.9, "--top-k", 20, "--seed", 1, "--max-new-tokens", 16))
+    # seeded samples repeat when K does: the fixed policy (the adaptive one's K follows timings)
+    seeded = ("--temperature", 0.8, "--top-p", 0.9, "--top-k", 20, "--seed", 1, "--max-new-tokens", 16)
+    a = ok_json(run(*base, *seeded, "--verify-policy", "fixed"))
+    b = ok_json(run(*base, *seeded, "--verify-policy", "fixed"))
     assert a["outputs"][0]["token_ids"] == b["outputs"][0]["token_ids"]  # seeded
+    assert a["stats"]["verify_policy"] == "fixed" and a["stats"]["verify_hist"][-1] == a["stats"]["rounds"]
     greedy = ok_json(run(*base, "--max-new-tokens", 16))["outputs"][0]
     stop = words(greedy["token_ids"][3:5])
     stopped = ok_json(run(*base, "--max-new-tokens", 16, "--stop", stop))["outputs"][0]

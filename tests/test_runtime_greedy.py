@@ -21,10 +21,12 @@ from runtime_fixtures import (
     hf_greedy,
     load_hf_target,
     single_thread,
+    steep_cost_policy,
     words,
     write_pair,
 )
 
+from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.tokenizer import TextCodec
 from retrace.runtime.torch_backend import TorchBackend
@@ -65,11 +67,11 @@ def world(tmp_path_factory, _one_thread) -> World:
 
 
 def runtime(w: World, block: int | None = None, oracle: bool = False, target: Path | None = None,
-            max_batch: int = 8) -> Runtime:
+            max_batch: int = 8, policy="adaptive") -> Runtime:
     be = TorchBackend.from_dirs(target or w.target, w.drafter, max_batch=max_batch, max_seq_len=128)
     if oracle:
         be = OracleDrafter(be, w.sequences(), seed=block or 0)
-    return Runtime(be, TextCodec.find(target or w.target), block_size=block)
+    return Runtime(be, TextCodec.find(target or w.target), block_size=block, verify_policy=policy)
 
 
 def check_exact(results, expected: list[list[int]], label: str) -> None:
@@ -107,7 +109,7 @@ def test_accepted_drafts_stay_exact(world, block):
     """Oracle drafts: acceptance lengths 0..B-1 all occur, tau > 1, and outputs are still exact."""
     want = [g[:MAX_NEW] for g in world.greedy]
     for mode in ("dflash", "retrace"):
-        rt = runtime(world, block, oracle=True)
+        rt = runtime(world, block, oracle=True, policy="fixed")
         res = rt.generate(world.prompts, SamplingParams(max_new_tokens=MAX_NEW), mode)
         check_exact(res, want, f"oracle {mode} block {block}")
         stats = rt.run_stats()
@@ -206,7 +208,86 @@ def test_stop_string_in_a_batch_does_not_disturb_others(world):
 
 def test_oracle_acceptance_lengths_are_spread(world):
     """Guard on the oracle itself: its rejection slots cover 1..B (B = whole block right)."""
-    rt = runtime(world, 8, oracle=True)
+    rt = runtime(world, 8, oracle=True, policy="fixed")
     rt.generate(world.prompts, SamplingParams(max_new_tokens=MAX_NEW), "dflash")
     seen = Counter(rt.backend.rejection_slots)
     assert set(seen) == set(range(1, 9))
+
+
+# -- verify policy -----------------------------------------------------------------------------------------
+class ContextSpy:
+    """Wraps a backend and checks what every draft call gets as context: exactly the committed positions
+    since the previous draft call of that slot (all of them after rounds without a draft call), each with
+    the target taps of its committed token (the last ones the target wrote there)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        for k in ("name", "target_config", "drafter_config", "max_batch", "max_seq_len", "has_conditioner"):
+            setattr(self, k, getattr(inner, k))
+        self.taps: dict[tuple[int, int], torch.Tensor] = {}
+        self.seen: dict[int, int] = {}  # slot -> first position the drafter has not been given
+        self.draft_calls = 0
+        self.longest_context = 0
+
+    def target(self, slots, input_ids, positions, logits_index):
+        logits, taps = self.inner.target(slots, input_ids, positions, logits_index)
+        for n, s in enumerate(slots.tolist()):
+            if int(positions[n, 0]) == 0:
+                self.seen[s] = 0
+            for t, p in enumerate(positions[n].tolist()):
+                self.taps[(s, p)] = taps[n, t].clone()
+        return logits, taps
+
+    def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
+        self.draft_calls += 1
+        for n, s in enumerate(slots.tolist()):
+            anchor = int(block_positions[n, 0])
+            real = ctx_positions[n] < anchor
+            assert ctx_positions[n][real].tolist() == list(range(self.seen[s], anchor))
+            for i in real.nonzero().flatten().tolist():
+                assert torch.equal(ctx_taps[n, i], self.taps[(s, int(ctx_positions[n, i]))])
+            self.longest_context = max(self.longest_context, anchor - self.seen[s])
+            self.seen[s] = anchor
+        return self.inner.draft(slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix)
+
+    def release(self, slot):
+        self.inner.release(slot)
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["shared-K", "ragged"])
+@pytest.mark.parametrize("oracle", [False, True], ids=["random-drafter", "oracle-drafter"])
+def test_adaptive_policy_stays_exact(world, oracle, ragged):
+    """An adaptive policy with a fixed cost model (deterministic): K varies over 0..B-1 (oracle drafter)
+    or drafting turns off and is re-probed (random drafter); batch 1, 2, 5 and 8 requests in 3 slots
+    (joining and leaving). Every output equals transformers' greedy decode, and the drafter is given
+    every committed position exactly once."""
+    B = 8
+    want = [g[:MAX_NEW] for g in world.greedy]
+    for mode in ("dflash", "retrace"):
+        for batch, max_batch in ((1, 8), (2, 8), (5, 8), (8, 3)):
+            be = TorchBackend.from_dirs(world.target, world.drafter, max_batch=max_batch, max_seq_len=128)
+            spy = ContextSpy(OracleDrafter(be, world.sequences(), seed=batch) if oracle else be)
+            rt = Runtime(spy, TextCodec.find(world.target), block_size=B,
+                         verify_policy=steep_cost_policy(B, ragged=ragged))
+            res = rt.generate(world.prompts[:batch], SamplingParams(max_new_tokens=MAX_NEW), mode)
+            check_exact(res, want[:batch], f"adaptive {mode} batch {batch} oracle={oracle} ragged={ragged}")
+            hist = rt.run_stats()["verify_hist"]
+            chosen = [k for k, n in enumerate(hist) if n]
+            if oracle:
+                assert len(chosen) >= 3 and max(chosen) > 1, hist
+            else:  # never pays: most rounds plain decoding, without a draft call
+                assert hist[0] > 0.8 * sum(hist) and spy.draft_calls < 0.5 * rt.run_stats()["rounds"] / batch
+                assert spy.longest_context > 4  # taps of several rounds without a draft went in at once
+
+
+def test_fixed_and_adaptive_policies_by_name(world):
+    for policy in ("fixed", "adaptive"):
+        rt = runtime(world, 8, oracle=True, policy=policy)
+        res = rt.generate(world.prompts[:3], SamplingParams(max_new_tokens=MAX_NEW), "retrace")
+        check_exact(res, [g[:MAX_NEW] for g in world.greedy[:3]], policy)
+        stats = rt.run_stats()
+        assert stats["verify_policy"] == policy and sum(stats["verify_hist"]) == stats["rounds"]
+        if policy == "fixed":
+            assert stats["verify_hist"] == [0] * 7 + [stats["rounds"]]
+    with pytest.raises(RetraceError, match="unknown verify policy"):
+        runtime(world, policy="sometimes")

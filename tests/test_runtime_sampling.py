@@ -24,7 +24,7 @@ from collections import Counter
 
 import pytest
 import torch
-from runtime_fixtures import load_hf_target, single_thread, write_pair
+from runtime_fixtures import load_hf_target, single_thread, steep_cost_policy, write_pair
 from safetensors.torch import load_file, save_file
 from scipy.stats import chi2, chisquare, ncx2
 
@@ -87,8 +87,8 @@ def exact_joint(logits: torch.Tensor, params: dict) -> torch.Tensor:
     return joint
 
 
-def sample(target, drafter, params: dict, n: int):
-    rt = Runtime.from_dirs(target, drafter, max_batch=64, max_seq_len=16)
+def sample(target, drafter, params: dict, n: int, policy="fixed"):
+    rt = Runtime.from_dirs(target, drafter, max_batch=64, max_seq_len=16, verify_policy=policy)
     sched = rt.scheduler()
     reqs = [sched.add(PROMPT, SamplingParams(max_new_tokens=NEW, seed=i, **params), "retrace") for i in range(n)]
     while sched.has_work:
@@ -129,6 +129,21 @@ def check(outs, joint):
     for name, probs, pick in (("tokens 2-3", first, lambda o: o[1:3]), ("tokens 4-5", last, lambda o: o[3:])):
         res[name] = chi_square([pick(o) for o in outs], probs)
     return res
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_adaptive_verify_policy_sampling_matches_target_distribution(pair, config):
+    """The same check with the adaptive verify policy, per-row K (ragged: each row judges only its own
+    first K_i drafts of a padded verify) from a fixed injected cost model, so K is a deterministic
+    function of the drafter's confidences and every K 0..B-1 occurs."""
+    target, drafter, logits = pair
+    params, n = CONFIGS[config]
+    with single_thread():
+        outs, stats = sample(target, drafter, params, n, policy=steep_cost_policy(4, ragged=True))
+    for name, (p_value, df, _) in check(outs, exact_joint(logits, params)).items():
+        assert p_value > ALPHA, f"adaptive {config} {name}: chi-square p={p_value:.2e} (df {df})"
+    assert stats["tau"] > 1.05, stats["tau"]
+    assert len(stats["verify_hist"]) == 4 and all(c > 0 for c in stats["verify_hist"]), stats["verify_hist"]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

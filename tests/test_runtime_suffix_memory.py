@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_fixtures import OracleDrafter, single_thread, write_pair
+from runtime_fixtures import OracleDrafter, single_thread, steep_cost_policy, write_pair
 
 from retrace.models.conditioner import FEATURES
 from retrace.runtime import Runtime, SamplingParams
@@ -111,32 +111,44 @@ def test_write_read_clear(B):
 # -- end to end: what the scheduler feeds the drafter ---------------------------------------------------------
 class SuffixSpy(OracleDrafter):
     """Checks every retrace draft call against the previous call for the same slot: the memory must be
-    that call's hidden states shifted by a + 1, the correction index must point at position p' + k - 1."""
+    that call's hidden states shifted by a + 1, the correction index must point at position p' + k - 1,
+    and only the drafts the target scored are remembered: old slots j <= min(K+1, B-1) for a verify of K
+    drafts (K = the length of that verify call - 1); nothing after a round without a draft call."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.last: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (anchor position, drafter hidden)
-        self.checked = {"rounds": 0, "valid_slots": 0, "accepted": set()}
+        self.verified: dict[int, int | None] = {}  # slot -> K of its last verify (None: no draft call)
+        self.drafted: set[int] = set()  # slots drafted since their last verify
+        self.checked = {"rounds": 0, "valid_slots": 0, "accepted": set(), "verified": set()}
 
     def target(self, slots, input_ids, positions, logits_index):
-        if bool((positions[:, 0] == 0).all()):  # prefill: a new request in these slots
-            for s in slots.tolist():
+        prefill = bool((positions[:, 0] == 0).all())
+        for s in slots.tolist():
+            if prefill:  # a new request in these slots
                 self.last.pop(s, None)
+                self.verified[s] = None
+            else:
+                self.verified[s] = input_ids.shape[1] - 1 if s in self.drafted else None
+            self.drafted.discard(s)
         return super().target(slots, input_ids, positions, logits_index)
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
         B = block_ids.shape[1]
         for n, s in enumerate(slots.tolist()):
+            self.drafted.add(s)
             p_new = int(block_positions[n, 0])
-            if s not in self.last:  # first round of a request: empty memory
+            K = self.verified.get(s)
+            if s not in self.last or K is None:  # first round of a request, or no draft last round
                 assert suffix.valid[n].sum() == 0
                 continue
             p_old, h_old = self.last[s]
             a = p_new - p_old - 1
-            assert 0 <= a <= B - 1
+            assert 0 <= a <= K <= B - 1
             self.checked["accepted"].add(a)
+            self.checked["verified"].add(K)
             for k in range(B):
-                if 1 <= k <= B - 2 - a:
+                if 1 <= k and k + a + 1 <= min(K + 1, B - 1):
                     assert suffix.valid[n, k] == 1
                     torch.testing.assert_close(suffix.memory[n, k], h_old[k + a + 1], rtol=0, atol=0)
                     assert int(ctx_positions[n, int(suffix.corr_index[n, k])]) == p_new + k - 1
@@ -164,26 +176,81 @@ def pair(tmp_path_factory):
         yield target, drafter, prompts, seqs
 
 
-def test_scheduler_feeds_aligned_memory(pair):
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "adaptive-ragged"])
+def test_scheduler_feeds_aligned_memory(pair, policy):
     target, drafter, prompts, seqs = pair
+    B = 8
+    verify_policy = "fixed" if policy == "fixed" else steep_cost_policy(B, ragged=policy.endswith("ragged"))
     with single_thread():
         spy = SuffixSpy(TorchBackend.from_dirs(target, drafter, max_batch=3, max_seq_len=128), seqs, seed=5)
-        rt = Runtime(spy)  # 5 requests in 3 slots: slots are reused by new requests mid-run
+        rt = Runtime(spy, verify_policy=verify_policy)  # 5 requests in 3 slots: slots reused mid-run
         sched = rt.scheduler()
         reqs = [sched.add(p, SamplingParams(max_new_tokens=40), "retrace") for p in prompts]
         anchor_before: dict[int, int] = {}
+        hist_before: dict[int, list[int]] = {}
         while sched.has_work:
             sched.step()
             for r in sched.running.values():  # position bookkeeping after every round
+                # this row's own K (ragged: may be less than the verify call's length - 1)
+                hist = r.stats.verify_hist + [0] * B
+                old = hist_before.get(r.rid, []) + [0] * (len(hist) - len(hist_before.get(r.rid, [])))
+                hist_before[r.rid] = list(r.stats.verify_hist)
+                if spy.verified.get(r.slot) is not None:
+                    spy.verified[r.slot] = next(k for k, (x, y) in enumerate(zip(hist, old, strict=True)) if x != y)
                 if r.rid in anchor_before:
                     a = r.anchor_pos - anchor_before[r.rid] - 1
-                    assert int(sched.memory.position[r.slot]) == r.anchor_pos
-                    assert int(sched.memory.count[r.slot]) == max(0, 8 - 2 - a)
+                    K = spy.verified[r.slot]
+                    assert int(sched.memory.position[r.slot]) == (r.anchor_pos if K is not None else -1)
+                    assert int(sched.memory.count[r.slot]) == (0 if K is None else max(0, min(K + 1, B - 1) - a - 1))
                 anchor_before[r.rid] = r.anchor_pos
         # released slots are empty
         assert sched.memory.valid.sum() == 0 and sched.memory.count.sum() == 0
         assert (sched.memory.position == -1).all()
     for r, p in zip(reqs, prompts, strict=True):
         assert r.output_ids == seqs[tuple(p)][len(p):len(p) + 40]
-    assert spy.checked["accepted"] == set(range(8))  # including a = B-2 and all-accepted
-    assert spy.checked["valid_slots"] > 0 and spy.checked["rounds"] > 20
+    assert spy.checked["valid_slots"] > 0 and spy.checked["rounds"] > 10
+    if policy == "fixed":
+        assert spy.checked["accepted"] == set(range(B))  # including a = B-2 and all-accepted
+        assert spy.checked["verified"] == {B - 1}
+    else:  # drafted-but-unverified slots occurred and were left out of the memory
+        assert len(spy.checked["verified"] - {B - 1}) >= 2, spy.checked
+
+
+@pytest.mark.parametrize("B", [4, 8])
+def test_write_keeps_only_the_drafts_the_target_scored(B):
+    """Verify policy: row n sent K_n < B-1 drafts (a padded verify of max K + 1 slots; S drafted slots).
+    Remembered: old slots j = a+2 .. min(K_n+1, S) with the same memory / features / correction as a full
+    verify would give them; the drafted-but-unscored ones after them are invalid and zero."""
+    torch.manual_seed(B)
+    d, V = 5, 11
+    for S in (B - 1, B - 2):
+        rows = [(a, K) for K in range(S + 1) for a in range(K + 1)]
+        N = len(rows)
+        mem = SuffixMemory(N, B, d)
+        acc = torch.tensor([a for a, _ in rows])
+        ver = torch.tensor([K for _, K in rows])
+        Kmax = int(ver.max())
+        hidden = torch.randn(N, B, d)
+        block = torch.randint(0, V, (N, S + 1))
+        verify = torch.randn(N, Kmax + 1, V) * 3
+        draft = torch.randn(N, S, V) * 3
+        anchor_pos = torch.arange(N) * 3
+        mem.write(torch.arange(N), hidden, block, verify, draft, acc, anchor_pos, verify.argmax(-1), ver)
+        got = mem.read(torch.arange(N))
+        for n, (a, K) in enumerate(rows):
+            last = min(K + 1, S)
+            for k in range(B):
+                j = k + a + 1
+                if k >= 1 and j <= last:
+                    assert got.valid[n, k] == 1, (a, K, k)
+                    torch.testing.assert_close(got.memory[n, k], hidden[n, j], rtol=0, atol=0)
+                    assert int(got.corr_index[n, k]) == k + a  # the verify slot that scored d_j (<= K)
+                    torch.testing.assert_close(got.features[n, k], reference_features(block[n], verify[n], draft[n], j))
+                else:
+                    assert got.valid[n, k] == 0, (a, K, k)
+                    assert got.memory[n, k].abs().max() == 0 and got.features[n, k].abs().max() == 0
+            assert int(mem.count[n]) == max(0, last - a - 1)
+    # a round without a draft call empties the memory of its rows
+    mem.write(torch.tensor([0, 2]), None, block[:2, :1], verify[:2, :1], None, torch.zeros(2, dtype=torch.int64),
+              anchor_pos[:2])
+    assert mem.valid[[0, 2]].sum() == 0 and int(mem.position[0]) == -1

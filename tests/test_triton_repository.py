@@ -109,6 +109,7 @@ def test_write_repository_layout(tmp_path):
                    'key: "EXECUTION_ENV_PATH" value: { string_value: "' + str(env) + '" }',
                    'key: "RETRACE_BUNDLE" value: { string_value: "bundle" }',
                    'key: "RETRACE_MAX_BATCH" value: { string_value: "4" }',
+                   'key: "RETRACE_VERIFY_POLICY" value: { string_value: "adaptive" }',
                    '{ name: "max_tokens" data_type: TYPE_INT32 dims: [ -1 ] }',
                    '{ name: "text_input" data_type: TYPE_STRING dims: [ -1 ] optional: true }',
                    '{ name: "stats" data_type: TYPE_STRING dims: [ -1 ] }'):
@@ -125,10 +126,11 @@ def test_write_repository_layout(tmp_path):
     with pytest.raises(RepositoryError, match="exists; pass force=True"):
         write_repository(bundle, repo, model_name="m1")
     repo2 = write_repository(bundle, repo, model_name="m2", copy_bundle=False, vendor_package=False,
-                             force=True, pythonpath=[tmp_path])
+                             force=True, pythonpath=[tmp_path], verify_policy="fixed")
     assert sorted(p.name for p in repo2.iterdir()) == [".retrace-output.json", "m2"]  # + the owner marker
     cfg2 = (repo2 / "m2" / "config.pbtxt").read_text()
     assert f'string_value: "{bundle}"' in cfg2 and "EXECUTION_ENV_PATH" not in cfg2
+    assert 'key: "RETRACE_VERIFY_POLICY" value: { string_value: "fixed" }' in cfg2
     assert f'key: "RETRACE_PYTHONPATH" value: {{ string_value: "{tmp_path}" }}' in cfg2
     assert not (repo2 / "m2" / "bundle").exists() and not (repo2 / "m2" / "1" / "retrace").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "env", "repo"]
@@ -137,7 +139,8 @@ def test_write_repository_layout(tmp_path):
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [({"model_name": "a b"}, "must match"), ({"instances": 0}, ">= 1"), ({"max_batch": 0}, ">= 1"),
-     ({"env_path": "/nonexistent/env"}, "no bin/activate"), ({"modes": []}, "modes must be")],
+     ({"env_path": "/nonexistent/env"}, "no bin/activate"), ({"modes": []}, "modes must be"),
+     ({"verify_policy": "sometimes"}, "verify_policy must be")],
 )
 def test_write_repository_refuses(tmp_path, kw, needle):
     bundle = write_standin_bundle(tmp_path / "b")

@@ -46,7 +46,7 @@ def rows(results: dict) -> list[dict]:
 def fidelity_line(results: dict) -> str:
     f = results.get("fidelity")
     if not f:
-        return "fidelity: n/a (needs retrace-torch-dflash and hf-dflash at batch 1)"
+        return "fidelity: n/a (needs retrace-torch-dflash-fixed and hf-dflash at batch 1)"
     verdict = "within 1%" if f["within_1pct"] else "NOT within 1%"
     return (f"fidelity (T=0, same weights): our dflash tau {f['tau_ours']:.4f} vs transformers' DFlash "
             f"{f['tau_hf']:.4f} ({100 * f['rel_gap']:+.2f}%, {verdict}); counted as tokens kept per round "
@@ -73,7 +73,7 @@ def analysis_lines(results: dict, batch_sizes: tuple[int, ...] = (1,)) -> list[s
             continue
         out.append(
             f"{a['system']} b={a['batch_size']}: a round takes {a['round_ms']:.2f} ms (verify {a['verify_ms']:.2f}, "
-            f"draft {a['draft_ms']:.2f}, outside the forwards {a['outside_forward_ms_per_round']:.2f}) for tau "
+            f"draft {_f(a['draft_ms'], '{:.2f}', 'none')}, outside the forwards {a['outside_forward_ms_per_round']:.2f}) for tau "
             f"{a['tau']:.2f} tokens per row; {a['peer']} takes {a['peer_ms_per_step']:.2f} ms per step of "
             f"{a['batch_size']} token(s), so one verify costs {a['verify_over_peer_step']:.1f} of its steps; ratio "
             f"{a['ratio']:.2f}x, "

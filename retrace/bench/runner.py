@@ -51,6 +51,7 @@ class BenchConfig:
     build_engine: bool = True  # build an ORT bundle into the cache when no --engine is given
     warmup: bool = True
     profile: str | None = None  # write a cProfile of one headline retrace run here
+    verify_policy: str = "adaptive"  # what retrace-<backend>-<mode> runs; -fixed names run the whole block
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -132,21 +133,29 @@ class Built:
             self.skipped.append({"name": n, "reason": reason})
 
 
+def _retrace_names(backend: str, cfg: BenchConfig) -> list[tuple[str, str, str]]:
+    """(name, mode, verify policy): retrace-<backend>-<mode> runs cfg.verify_policy, -fixed the whole block."""
+    out = [(f"retrace-{backend}-{m}", m, cfg.verify_policy) for m in MODES]
+    out += [(f"retrace-{backend}-{m}-fixed", m, "fixed") for m in MODES if m != "ar"]
+    return [x for x in out if _wanted(x[0], cfg.systems)]
+
+
 def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig) -> None:
     timers = ForwardTimers(rt.backend)
     from retrace.bench.systems import RetraceSystem
+    from retrace.runtime import Runtime
 
-    for mode in MODES:
-        name = f"retrace-{backend}-{mode}"
-        if not _wanted(name, cfg.systems):
-            continue
+    runtimes = {}  # one scheduler per policy over the same backend (systems run one at a time)
+    for name, mode, policy in _retrace_names(backend, cfg):
         if mode == "retrace" and not getattr(rt.backend, "has_conditioner", False):
             built.skip([name], "the drafter has no ReTrace conditioner (retrace init-conditioner)")
             continue
         if mode != "ar" and rt.backend.drafter_config is None:
             built.skip([name], "no drafter")
             continue
-        built.systems.append(RetraceSystem(rt, backend, mode, timers))
+        if policy not in runtimes:
+            runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy=policy)
+        built.systems.append(RetraceSystem(runtimes[policy], backend, mode, timers, name))
 
 
 def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: int, log,
@@ -168,7 +177,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
     def group(g: str) -> bool:
         return groups is None or g in groups
 
-    if group("retrace-torch") and any(_wanted(f"retrace-torch-{m}", cfg.systems) for m in MODES):
+    if group("retrace-torch") and _retrace_names("torch", cfg):
         from retrace.runtime import Runtime
 
         log("loading the torch runtime")
@@ -177,8 +186,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
         _retrace_systems(built, rt, "torch", cfg)
 
     # ours, ONNX Runtime backend
-    ort_names = [f"retrace-onnxruntime-{m}" for m in MODES if _wanted(f"retrace-onnxruntime-{m}", cfg.systems)
-                 and group("retrace-onnxruntime")]
+    ort_names = [n for n, _, _ in _retrace_names("onnxruntime", cfg)] if group("retrace-onnxruntime") else []
     if ort_names:
         bundle = cfg.engine
         try:
@@ -234,7 +242,8 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
 
         add_ortgenai_systems(built, cfg, cache, threads, tune_prompts, log)
 
-    order = {n: i for i, n in enumerate(PEERS + tuple(f"retrace-{b}-{m}" for b in BACKENDS for m in MODES))}
+    order = {n: i for i, n in enumerate(PEERS + tuple(f"retrace-{b}-{m}{f}" for b in BACKENDS for m in MODES
+                                                      for f in ("", "-fixed")))}
     built.systems.sort(key=lambda s: order.get(s.name, len(order)))
     return built
 
@@ -496,6 +505,7 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
                 "rounds": rounds if rs[0].accepted is not None or spec is not None else None,
                 "speculative_stats": spec,
                 "accepted_hist": _hist(rs[0].accepted) if rs[0].accepted is not None else None,
+                "verify_hist": rs[0].verify_hist,
                 "time_split": _time_split(rs),
                 "exact_length": lengths_ok,
                 "deterministic_across_runs": stable,
@@ -523,7 +533,7 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
     }
     results["ratios"] = ratios(systems)
     results["agreement"] = agreement_summary(systems)
-    results["fidelity"] = fidelity(runs, N) if ("hf-dflash", 1) in runs and ("retrace-torch-dflash", 1) in runs else None
+    results["fidelity"] = fidelity(runs, N) if ("hf-dflash", 1) in runs and (FIDELITY, 1) in runs else None
     results["per_domain"] = per_domain(runs, prompts)
     results["goals"] = goals(systems, results["ratios"])
     results["analysis"] = round_analysis(systems, len(prompts))
@@ -568,9 +578,13 @@ def _committed(acc: list[int], n: int) -> list[int]:
     return out
 
 
+FIDELITY = "retrace-torch-dflash-fixed"  # whole blocks, like transformers' DFlash
+
+
 def fidelity(runs: dict, n: int) -> dict:
-    """Our dflash mode against transformers' DFlash on the same weights, T=0, batch 1."""
-    ours = runs[("retrace-torch-dflash", 1)][0]
+    """Our dflash mode (the fixed verify policy) against transformers' DFlash on the same weights, T=0,
+    batch 1."""
+    ours = runs[(FIDELITY, 1)][0]
     hf = runs[("hf-dflash", 1)][0]
     tau_ours, rounds_ours = _tau(ours.accepted)
     tau_hf, rounds_hf = _tau(hf.accepted)

@@ -3,8 +3,9 @@
 Each system runs a list of prompts (token ids) at a batch size and returns exactly `n` new tokens per
 prompt, greedy, with EOS treated as an ordinary token (nothing stops early), so every system does the same
 work:
-- ours: `retrace-<backend>-<mode>` (the runtime's scheduler driven directly so that every round's accepted
-  length is recorded, and the backend's forwards timed to split model time from loop time);
+- ours: `retrace-<backend>-<mode>` (the default verify policy; `...-fixed`: the whole block every round;
+  the runtime's scheduler driven directly so that every round's accepted length is recorded, and the
+  backend's forwards timed to split model time from loop time);
 - `hf-ar`: transformers `generate` on the target alone (`eos_token_id=None`, left padding for batches);
 - `hf-dflash`: transformers' own DFlash assisted generation with the same drafter weights (batch 1 only;
   rounds counted through `DFlashTokenCandidateGenerator.update_candidate_strategy`);
@@ -38,6 +39,7 @@ class RunOut:
     accepted: list[list[int]] | None = None
     time: dict | None = None  # ours: the loop's split and the time inside model forwards
     stats: dict | None = None  # onnxruntime-genai's speculative statistics, summed over the prompts
+    verify_hist: list[int] | None = None  # ours: rounds that verified K drafts, index K
 
 
 def chunks(items: list, size: int) -> Iterator[list]:
@@ -69,8 +71,8 @@ class _SeqStats(AcceptStats):
 
     seq: list[int] = field(default_factory=list)
 
-    def record(self, accepted: int) -> None:
-        super().record(accepted)
+    def record(self, accepted: int, verified: int = 0) -> None:
+        super().record(accepted, verified)
         self.seq.append(int(accepted))
 
 
@@ -108,12 +110,12 @@ class ForwardTimers:
 class RetraceSystem(System):
     family = "retrace"
 
-    def __init__(self, runtime, backend_name: str, mode: str, timers: ForwardTimers):
+    def __init__(self, runtime, backend_name: str, mode: str, timers: ForwardTimers, name: str | None = None):
         self.rt = runtime
         self.backend = backend_name
         self.mode = mode
         self.timers = timers
-        self.name = f"retrace-{backend_name}-{mode}"
+        self.name = name or f"retrace-{backend_name}-{mode}"
 
     def supports(self, batch_size: int) -> str | None:
         mb = self.rt.backend.max_batch
@@ -155,7 +157,8 @@ class RetraceSystem(System):
             "target_calls": self.timers.target.calls,
             "draft_calls": self.timers.draft.calls,
         }
-        return RunOut(outputs, wall, accepted if self.mode != "ar" else None, split)
+        return RunOut(outputs, wall, accepted if self.mode != "ar" else None, split,
+                      list(sched.stats[self.mode].verify_hist))
 
 
 # ----------------------------------------------------------------------------------------------- transformers

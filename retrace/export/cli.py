@@ -88,7 +88,7 @@ def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_si
 
 
 def _write_triton(bundle: Path, out: Path, model_name: str, instances: int, max_batch: int, force: bool,
-                  env: Path | None = None, no_env: bool = False) -> None:
+                  env: Path | None = None, no_env: bool = False, verify_policy: str = "adaptive") -> None:
     from retrace.export.triton.env import ensure_triton_env
     from retrace.export.triton.repository import write_repository
 
@@ -97,7 +97,7 @@ def _write_triton(bundle: Path, out: Path, model_name: str, instances: int, max_
         click.echo("preparing the python-backend environment (numpy<2; built once, cached) ...", err=True)
         env_path = ensure_triton_env().model_env
     repo = write_repository(bundle, out, model_name=model_name, instances=instances, max_batch=max_batch,
-                            env_path=env_path, force=force)
+                            env_path=env_path, force=force, verify_policy=verify_policy)
     click.echo(f"wrote Triton model repository {repo} (model {model_name!r}, env: {env_path or 'server Python'})")
     click.echo(f"serve it: python -m retrace.export.triton serve {repo} --model {model_name}")
 
@@ -114,12 +114,14 @@ def _write_triton(bundle: Path, out: Path, model_name: str, instances: int, max_
 @click.option("--no-env", is_flag=True, help="run the model in the server's own Python (e.g. NVIDIA's container)")
 @click.option("--force", is_flag=True, help="replace an existing repository at --out that retrace wrote; any other "
               "non-empty directory is refused")
+@click.option("--verify-policy", type=click.Choice(["adaptive", "fixed"]), default="adaptive", show_default=True,
+              help="drafts verified per round (config.pbtxt RETRACE_VERIFY_POLICY)")
 @cli_errors
-def triton(engine, out, model_name, instances, max_batch, env, no_env, force) -> None:
+def triton(engine, out, model_name, instances, max_batch, env, no_env, force, verify_policy) -> None:
     """Write a Triton Inference Server model repository (python backend, decoupled/streaming) for a bundle.
 
     Written atomically; the bundle is copied in. Concurrent requests are batched by retrace's runtime."""
-    _write_triton(engine, out, model_name, instances, max_batch, force, env, no_env)
+    _write_triton(engine, out, model_name, instances, max_batch, force, env, no_env, verify_policy)
 
 
 def _size(n: int) -> str:

@@ -13,6 +13,7 @@ from retrace.runtime.loop import MODES, Event, Request, Scheduler
 from retrace.runtime.sampling import SamplingParams
 from retrace.runtime.stats import AcceptStats
 from retrace.runtime.tokenizer import TextCodec
+from retrace.runtime.verify_policy import POLICIES, VerifyPolicy
 
 # backend name -> "module:Class" (imported only when asked for; only backends know their engine)
 BUNDLE_BACKENDS = {
@@ -40,10 +41,17 @@ class Result:
 
 
 class Runtime:
-    def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None):
+    def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
+                 verify_policy: str | VerifyPolicy = "adaptive"):
+        """verify_policy: how many drafts each round verifies, for every request of this runtime:
+        "adaptive" (what pays on this machine, runtime/verify_policy.py), "fixed" (the whole block), or a
+        policy object."""
+        if isinstance(verify_policy, str) and verify_policy not in POLICIES:
+            raise RetraceError(f"unknown verify policy {verify_policy!r} (choose from {', '.join(POLICIES)})")
         self.backend = backend
         self.codec = codec
         self.block_size = block_size
+        self.verify_policy = verify_policy
         self._sched: Scheduler | None = None
         # events of requests being streamed, not yet yielded: a step run on behalf of one stream (or of
         # generate) commits tokens for every request, and the other streams must still see theirs
@@ -53,7 +61,7 @@ class Runtime:
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, backend: str = "torch",
                   max_batch: int = 8, max_seq_len: int = 2048, block_size: int | None = None,
-                  threads: int | None = None) -> Runtime:
+                  threads: int | None = None, verify_policy: str | VerifyPolicy = "adaptive") -> Runtime:
         if backend != "torch":
             raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
                                "with --target/--drafter use the torch backend")
@@ -61,13 +69,13 @@ class Runtime:
 
         be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=max_batch, max_seq_len=max_seq_len,
                                     threads=threads)
-        return cls(be, TextCodec.find(target_dir), block_size)
+        return cls(be, TextCodec.find(target_dir), block_size, verify_policy)
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, backend: str = "onnxruntime", block_size: int | None = None,
-                    **backend_kwargs) -> Runtime:
+                    verify_policy: str | VerifyPolicy = "adaptive", **backend_kwargs) -> Runtime:
         be = _load_backend_class(backend).from_bundle(bundle_dir, **backend_kwargs)
-        return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), block_size)
+        return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), block_size, verify_policy)
 
     # -- text ------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -81,7 +89,7 @@ class Runtime:
     def scheduler(self) -> Scheduler:
         """The long-lived continuous-batching scheduler (requests join and leave between rounds)."""
         if self._sched is None:
-            self._sched = Scheduler(self.backend, self.codec, self.block_size)
+            self._sched = Scheduler(self.backend, self.codec, self.block_size, verify_policy=self.verify_policy)
         return self._sched
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
@@ -143,6 +151,7 @@ class Runtime:
             "time": t.to_dict(),
             "max_batch_seen": sched.max_batch_seen,
             "backend": self.backend.name,
+            "verify_policy": sched.policy.name,
         }
 
     def reset_stats(self) -> None:

@@ -9,6 +9,8 @@ One round for the requests of one mode, top to bottom as in the paper:
   5. commit  tokens, stop checks; the verify taps become the drafter's next context.
 `ar` mode is the same round with no drafts. Requests join (prefill) and leave between rounds; every cache
 is indexed by absolute position, so nothing is copied when a row accepts fewer tokens than another.
+A verify policy (runtime/verify_policy.py) decides, before 1., whether the round drafts at all and, after
+it, how many drafts K each row sends to 2. (K = 0 is plain decoding; fewer drafts never change the output).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from retrace.runtime.sampling import (
 from retrace.runtime.stats import AcceptStats, Timing
 from retrace.runtime.suffix_memory import SuffixMemory
 from retrace.runtime.tokenizer import TextCodec
+from retrace.runtime.verify_policy import FixedPolicy, VerifyPolicy, make_policy
 
 MODES = ("ar", "dflash", "retrace")
 
@@ -51,7 +54,9 @@ class Request:
     slot: int = -1
     anchor: int = -1  # last committed token (no target K/V yet)
     anchor_pos: int = -1
-    ctx_taps: torch.Tensor | None = None  # target taps not yet given to the drafter
+    ctx_taps: torch.Tensor | None = None  # target taps not yet given to the drafter (the last verify's)
+    ctx_parts: list[torch.Tensor] = field(default_factory=list)  # earlier ones, from rounds without a draft
+    ctx_parts_len: int = 0  # their total length
     ctx_pos0: int = 0  # absolute position of ctx_taps[0]
     generator: torch.Generator | None = None
     t_start: float = 0.0
@@ -77,7 +82,9 @@ class Event:
 
 class Scheduler:
     def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
-                 eos_ids: tuple[int, ...] | None = None):
+                 eos_ids: tuple[int, ...] | None = None, verify_policy: str | VerifyPolicy = "fixed"):
+        """verify_policy: "fixed" (the whole block every round: what training rollouts and `retrace eval`
+        measure), "adaptive" (runtime/verify_policy.py), or a policy object (tests inject one)."""
         self.backend = backend
         self.codec = codec
         dc = backend.drafter_config
@@ -95,6 +102,7 @@ class Scheduler:
         self.stats: dict[str, AcceptStats] = {m: AcceptStats() for m in MODES}
         self.max_batch_seen = 0
         self._ids = itertools.count()
+        self.policy = make_policy(verify_policy, backend, self.block_size) if dc is not None else FixedPolicy(1)
 
     # -- requests --------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
@@ -172,57 +180,86 @@ class Scheduler:
         self.timing.prefill += time.perf_counter() - t0
         for i, r in enumerate(reqs):
             first = self._sample_one(logits[i, 0], r)
-            r.ctx_taps, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], 0
+            r.ctx_taps, r.ctx_parts, r.ctx_parts_len, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], [], 0, 0
             r.anchor, r.anchor_pos = first, len(r.prompt_ids)
             self._commit(r, [first], events)
 
     def _round(self, reqs: list[Request], events: dict[int, Event]) -> None:
         mode = reqs[0].mode
         N = len(reqs)
-        B = self.block_size if mode != "ar" else 1
         slots = torch.tensor([r.slot for r in reqs])
         anchor = torch.tensor([r.anchor for r in reqs])
         anchor_pos = torch.tensor([r.anchor_pos for r in reqs])
-        block_pos = anchor_pos.unsqueeze(1) + torch.arange(B)
+        # draft slots the verify policy can use this round (0: no draft call; `ar` never drafts)
+        S = self.policy.plan(mode, N) if mode != "ar" else 0
 
-        # 1. draft
-        hidden = q = draft_logits = None
+        # 1. draft (the drafter always fills the whole block; the policy picks K drafts per row to verify)
+        hidden = q = draft_logits = verified = None
         drafts = torch.zeros(N, 0, dtype=torch.int64)
-        if B > 1:
+        t_draft = None
+        if S > 0:
             t0 = time.perf_counter()
+            B = self.block_size
             block_ids = torch.cat([anchor.unsqueeze(1), torch.full((N, B - 1), self.mask_id)], dim=1)
             ctx_taps, ctx_pos = self._context(reqs)
             suffix = self.memory.read(slots) if mode == "retrace" else None
-            hidden, draft_logits = self.backend.draft(slots, ctx_taps, ctx_pos, block_ids, block_pos, suffix)
-            drafts, q = self._propose(draft_logits[:, : B - 1], reqs)
-            self.timing.draft += time.perf_counter() - t0
+            hidden, draft_logits = self.backend.draft(slots, ctx_taps, ctx_pos, block_ids,
+                                                      anchor_pos.unsqueeze(1) + torch.arange(B), suffix)
+            draft_logits = draft_logits[:, :S]
+            drafts, q = self._propose(draft_logits, reqs)
+            verified = self.policy.choose(mode, draft_logits, drafts, q)
+            t_draft = time.perf_counter() - t0
+            self.timing.draft += t_draft
+        K = int(verified.max()) if verified is not None else 0
 
-        # 2. verify
+        # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
         t0 = time.perf_counter()
         block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)
-        logits, taps = self.backend.target(slots, block, block_pos, torch.arange(B).expand(N, B))
-        self.timing.verify += time.perf_counter() - t0
+        positions = anchor_pos.unsqueeze(1) + torch.arange(K + 1)
+        logits, taps = self.backend.target(slots, block[:, : K + 1], positions, torch.arange(K + 1).expand(N, K + 1))
+        t_verify = time.perf_counter() - t0
+        self.timing.verify += t_verify
 
         # 3. accept
-        accepted, bonus, target_argmax = self._accept(logits, drafts, q, reqs)
+        accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
+        self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
 
-        # 4. remember the rejected suffix
+        # 4. remember the rejected suffix (every drafted slot the target scored; nothing without a draft)
         if mode == "retrace":
-            self.memory.write(slots, hidden, block, logits, draft_logits[:, : B - 1], accepted, anchor_pos,
-                              target_argmax)
+            self.memory.write(slots, hidden, block, logits, draft_logits, accepted, anchor_pos, target_argmax,
+                              verified)
 
         # 5. commit (one conversion to Python lists, not one per element)
-        for i, (r, a, b, d) in enumerate(zip(reqs, accepted.tolist(), bonus.tolist(), drafts.tolist(), strict=True)):
-            r.stats.record(a)
-            self.stats[mode].record(a)
-            r.ctx_taps, r.ctx_pos0 = taps[i], r.anchor_pos
+        ks = verified.tolist() if verified is not None else [0] * N
+        for i, (r, a, b, d, k) in enumerate(zip(reqs, accepted.tolist(), bonus.tolist(), drafts.tolist(), ks,
+                                                strict=True)):
+            r.stats.record(a, k)
+            self.stats[mode].record(a, k)
+            self._extend_context(r, taps[i], drafted=S > 0)
             r.anchor, r.anchor_pos = b, r.anchor_pos + a + 1
             self._commit(r, d[:a] + [b], events)
 
     # -- pieces of a round -----------------------------------------------------------------------------
+    def _extend_context(self, r: Request, taps: torch.Tensor, drafted: bool) -> None:
+        """The verify taps of this round become the drafter's next context. A round without a draft call
+        gave the drafter nothing: its pending taps (up to the anchor) stay and the new ones follow."""
+        if drafted:
+            r.ctx_parts, r.ctx_pos0 = [], r.anchor_pos
+        else:  # the valid part of the last taps: up to the anchor (the parts before it are all valid)
+            r.ctx_parts.append(r.ctx_taps[: r.anchor_pos - r.ctx_pos0 - r.ctx_parts_len])
+            r.ctx_parts_len += r.ctx_parts[-1].shape[0]
+        if not r.ctx_parts:
+            r.ctx_parts_len = 0
+        r.ctx_taps = taps
+
     def _context(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pending target taps per row (prompt after prefill, the B verify slots after a round), right-padded.
-        Pad entries sit at positions >= the anchor, where the drafter masks them."""
+        """Pending target taps per row (prompt after prefill, the verify slots after a round, all the
+        rounds' since the last draft call), right-padded. Pad entries sit at positions >= the anchor,
+        where the drafter masks them."""
+        for r in reqs:
+            if r.ctx_parts:
+                r.ctx_taps = torch.cat(r.ctx_parts + [r.ctx_taps])
+                r.ctx_parts, r.ctx_parts_len = [], 0
         C = max(r.ctx_taps.shape[0] for r in reqs)
         if all(r.ctx_taps.shape[0] == C for r in reqs):
             taps = torch.stack([r.ctx_taps for r in reqs])
@@ -244,13 +281,20 @@ class Scheduler:
                 drafts[i] = sample_drafts(q[i], r.generator)
         return drafts, q
 
-    def _accept(self, logits, drafts, q, reqs):
-        """-> (accepted [N], bonus [N], the target's argmax [N, B]); sampling rows overwrite the first two."""
+    def _accept(self, logits, drafts, q, reqs, verified):
+        """drafts [N, K]; row i judges only its first verified[i] drafts (None: all K).
+        -> (accepted [N], bonus [N], the target's argmax [N, K+1]); sampling rows overwrite the first two."""
+        K = drafts.shape[1]
+        ragged = verified is not None and bool((verified < K).any())
+        if ragged:  # drafts past a row's K can never match: -1 is no token
+            drafts = drafts.masked_fill(torch.arange(K).unsqueeze(0) >= verified.unsqueeze(1), -1)
         accepted, bonus, target_argmax = greedy_accept(logits, drafts)
         p = _sampling_probs(logits, reqs)
         for i, r in enumerate(reqs):
             if p[i] is not None:
-                a, b = speculative_accept(p[i], q[i] if q is not None else p[i][:0], drafts[i], r.generator)
+                k = int(verified[i]) if verified is not None else K
+                a, b = speculative_accept(p[i][: k + 1], q[i][:k] if q is not None else p[i][:0], drafts[i, :k],
+                                          r.generator)
                 accepted[i], bonus[i] = a, b
         return accepted, bonus, target_argmax
 
@@ -310,7 +354,7 @@ class Scheduler:
         r.finished = True
         r.finish_reason = r.finish_reason or reason
         r.t_end = time.perf_counter()
-        r.ctx_taps = None
+        r.ctx_taps, r.ctx_parts = None, []
         if r.slot >= 0 and self.running.get(r.slot) is r:
             del self.running[r.slot]
             if self.memory is not None:

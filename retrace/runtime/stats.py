@@ -10,12 +10,12 @@ class AcceptStats:
     rounds: int = 0
     tokens: int = 0
     accepted_hist: list[int] = field(default_factory=list)  # index a = rounds that accepted a drafts
+    verify_hist: list[int] = field(default_factory=list)  # index K = rounds that verified K drafts
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, verified: int = 0) -> None:
         self.rounds += 1
-        if accepted >= len(self.accepted_hist):
-            self.accepted_hist.extend([0] * (accepted + 1 - len(self.accepted_hist)))
-        self.accepted_hist[accepted] += 1
+        _bump(self.accepted_hist, accepted)
+        _bump(self.verify_hist, verified)
 
     @property
     def tau(self) -> float | None:
@@ -27,12 +27,19 @@ class AcceptStats:
         self.rounds += other.rounds
         self.tokens += other.tokens
         for a, n in enumerate(other.accepted_hist):
-            if a >= len(self.accepted_hist):
-                self.accepted_hist.extend([0] * (a + 1 - len(self.accepted_hist)))
-            self.accepted_hist[a] += n
+            _bump(self.accepted_hist, a, n)
+        for k, n in enumerate(other.verify_hist):
+            _bump(self.verify_hist, k, n)
 
     def to_dict(self) -> dict:
-        return {"tau": self.tau, "rounds": self.rounds, "tokens": self.tokens, "accepted_hist": list(self.accepted_hist)}
+        return {"tau": self.tau, "rounds": self.rounds, "tokens": self.tokens, "accepted_hist": list(self.accepted_hist),
+                "verify_hist": list(self.verify_hist)}
+
+
+def _bump(hist: list[int], index: int, n: int = 1) -> None:
+    if index >= len(hist):
+        hist.extend([0] * (index + 1 - len(hist)))
+    hist[index] += n
 
 
 @dataclass

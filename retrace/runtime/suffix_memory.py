@@ -8,6 +8,11 @@ empty after prefill and when a >= B-2. For slot k we keep:
   correction  = the verify-pass taps at old slot j-1 (the target state that scored d_j); they are part of
                 the next draft call's context taps, so we keep their index there (a + k), not a copy,
   features    = [target argmax at j-1 == d_j, target prob of d_j at j-1, drafter prob of d_j at j].
+When the verify policy sent only K < B-1 drafts to the target, the drafts after d_{K+1} were drafted but
+never scored: no target taps (correction) or target probabilities exist for them. They are left out of the
+memory (valid = 0), as if the block had ended at slot K+1: old slots j = a+2 .. min(K+1, B-1) are kept
+(d_{K+1} was scored by the target at slot K, the position of the bonus, so its features and correction
+exist). A round without a draft call leaves the memory empty.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ from retrace.models.conditioner import FEATURES
 from retrace.models.drafter import SuffixInputs
 
 
-def align(accepted: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """accepted [N] -> (old slot j [N,B], valid [N,B] bool, correction index [N,B]) for new slots k=0..B-1."""
+def align(accepted: torch.Tensor, block_size: int,
+          verified: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """accepted [N] (verified [N]: drafts the target judged, default B-1) -> (old slot j [N,B], valid [N,B]
+    bool, correction index [N,B]) for new slots k=0..B-1. Valid: old slots j = k+a+1 <= min(K+1, B-1)."""
     k = torch.arange(block_size).unsqueeze(0)
     a = accepted.unsqueeze(1)
-    valid = (k >= 1) & (k <= block_size - 2 - a)
+    last = block_size - 1 if verified is None else (verified.unsqueeze(1) + 1).clamp_max(block_size - 1)
+    valid = (k >= 1) & (k + a + 1 <= last)
     old_slot = torch.where(valid, k + a + 1, 0)
     corr_index = torch.where(valid, k + a, 0)
     return old_slot, valid, corr_index
@@ -33,14 +41,15 @@ def suffix_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor,
     """Reliability of each draft d_j as [N, B, 3] at old slot j (slot 0 zero): whether the target's argmax
     at j-1 is d_j, the target's probability of d_j at j-1, the drafter's own probability of d_j at j.
     Temperature-1 softmaxes, whatever the sampling parameters, so training and serving see the same.
-    target_argmax [N, B]: verify_logits.argmax(-1) when the caller has it already (greedy acceptance)."""
+    target_argmax [N, B]: verify_logits.argmax(-1) when the caller has it already (greedy acceptance).
+    verify_logits and target_argmax may be longer than B - 1 slots; the first B - 1 are used."""
     N, B = block_tokens.shape
     d = block_tokens[:, 1:].unsqueeze(-1)
-    if target_argmax is None:
-        target_argmax = verify_logits.argmax(-1)
+    verify_logits = verify_logits[:, : B - 1]
+    target_argmax = verify_logits.argmax(-1) if target_argmax is None else target_argmax[:, : B - 1]
     feats = verify_logits.new_zeros(N, B, len(FEATURES))
-    feats[:, 1:, 0] = (target_argmax[:, :-1] == block_tokens[:, 1:]).float()
-    feats[:, 1:, 1] = verify_logits[:, :-1].float().softmax(-1).gather(2, d).squeeze(-1)
+    feats[:, 1:, 0] = (target_argmax == block_tokens[:, 1:]).float()
+    feats[:, 1:, 1] = verify_logits.float().softmax(-1).gather(2, d).squeeze(-1)
     feats[:, 1:, 2] = draft_logits.float().softmax(-1).gather(2, d).squeeze(-1)
     return feats
 
@@ -55,8 +64,6 @@ class SuffixMemory:
         self.corr_index = torch.zeros(slots, B, dtype=torch.int64)
         self.count = torch.zeros(slots, dtype=torch.int64)  # valid slots 1..count
         self.position = torch.full((slots,), -1, dtype=torch.int64)  # absolute position of new slot 0
-        # align() for every accepted length, looked up per row in write()
-        self._old_slot, self._valid, self._corr_index = align(torch.arange(B), B)
 
     def clear(self, slot: int) -> None:
         # corr_index too: the drafter gathers with it even where valid == 0, and a stale index from the
@@ -68,14 +75,30 @@ class SuffixMemory:
         self.count[slot] = 0
         self.position[slot] = -1
 
-    def write(self, slots: torch.Tensor, hidden: torch.Tensor, block_tokens: torch.Tensor,
-              verify_logits: torch.Tensor, draft_logits: torch.Tensor, accepted: torch.Tensor,
-              anchor_pos: torch.Tensor, target_argmax: torch.Tensor | None = None) -> None:
-        """After a verify. hidden [N,B,d] drafter states; block_tokens [N,B] = [anchor, d_1..d_{B-1}];
-        verify_logits [N,B,V]; draft_logits [N,B-1,V] (slots 1..B-1); accepted [N]; anchor_pos [N] = p;
-        target_argmax [N,B] optional (verify_logits.argmax(-1), if the caller has it)."""
-        old, valid, corr = self._old_slot[accepted], self._valid[accepted], self._corr_index[accepted]
-        feats = suffix_features(block_tokens, verify_logits, draft_logits, target_argmax)
+    def write(self, slots: torch.Tensor, hidden: torch.Tensor | None, block_tokens: torch.Tensor,
+              verify_logits: torch.Tensor, draft_logits: torch.Tensor | None, accepted: torch.Tensor,
+              anchor_pos: torch.Tensor, target_argmax: torch.Tensor | None = None,
+              verified: torch.Tensor | None = None) -> None:
+        """After a verify. hidden [N,B,d] drafter states (None: no draft call this round, the memory is
+        emptied); block_tokens [N,1+S] = [anchor, d_1..d_S]; draft_logits [N,S,V] (slots 1..S);
+        verify_logits [N,K+1,V] (K+1 <= B) at slots 0..K; accepted [N]; anchor_pos [N] = p;
+        target_argmax [N,K+1] optional (verify_logits.argmax(-1), if the caller has it); verified [N]: the
+        drafts each row sent to the target (default: all K). Only scored drafts are remembered."""
+        if hidden is None:
+            if bool((self.position[slots] >= 0).any()):  # one check per round while drafting is off
+                for s in slots.tolist():
+                    self.clear(s)
+            return
+        B = self.block_size
+        K = verify_logits.shape[1] - 1
+        if verified is None:
+            verified = torch.full_like(accepted, K)
+        old, valid, corr = align(accepted, B, verified.clamp_max(block_tokens.shape[1] - 2))
+        # features of old slots 1..L, the drafts the target scored (L = min(K+1, S)); zero beyond
+        L = min(K + 1, block_tokens.shape[1] - 1)
+        feats = verify_logits.new_zeros(block_tokens.shape[0], B, len(FEATURES))
+        feats[:, : L + 1] = suffix_features(block_tokens[:, : L + 1], verify_logits, draft_logits[:, :L],
+                                            target_argmax)
         v = valid.to(self.memory.dtype).unsqueeze(-1)
         self.memory[slots] = torch.gather(hidden, 1, old.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).to(v.dtype) * v
         self.features[slots] = torch.gather(feats, 1, old.unsqueeze(-1).expand(-1, -1, feats.shape[-1])) * v.float()

@@ -33,8 +33,9 @@ def paired_stats(a: list[float | None], b: list[float | None]) -> dict:
 
 def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "retrace"), max_new_tokens: int = 96,
                 temperature: float = 0.0, block_size: int | None = None, max_batch: int = 32, seed: int = 0,
-                device="cpu") -> dict:
-    """Run every mode on the same prompts; returns the JSON-able report (see the module docstring)."""
+                device="cpu", verify_policy: str = "fixed") -> dict:
+    """Run every mode on the same prompts; returns the JSON-able report (see the module docstring).
+    verify_policy "fixed" (the default) verifies the whole block: tau then measures the drafter alone."""
     if not prompts:
         raise RetraceError("no prompts to evaluate")
     B = block_size or drafter.config.block_size
@@ -50,7 +51,8 @@ def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "ret
     for mode in modes:
         be = make_backend(target, drafter, min(max_batch, len(prompts)), max_len, device)
         t0 = time.perf_counter()
-        rolls, sched = run_requests(be, prompts, mode, max_new_tokens, temperature, seed, block_size=B)
+        rolls, sched = run_requests(be, prompts, mode, max_new_tokens, temperature, seed, block_size=B,
+                                    verify_policy=verify_policy)
         wall = time.perf_counter() - t0
         per = [None if r.tau is None else round(r.tau, 5) for r in rolls]
         vals = [t for t in per if t is not None]
@@ -59,7 +61,7 @@ def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "ret
             "tau": round(sum(vals) / len(vals), 5) if vals else None,
             "tau_pooled": round(st.tau, 5) if st.tau is not None else None,
             "per_prompt": per, "rounds": st.rounds, "tokens": st.tokens,
-            "accepted_hist": list(st.accepted_hist), "wall_s": round(wall, 3),
+            "accepted_hist": list(st.accepted_hist), "verify_hist": list(st.verify_hist), "wall_s": round(wall, 3),
         }
         outputs[mode] = [r.output_ids for r in rolls]
     drafter.train(was)
@@ -73,7 +75,7 @@ def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "ret
         out["outputs_equal"] = all(o == first for o in outputs.values())
     out["tau_kind"] = "tau = per-prompt mean; tau_pooled = accepted tokens / rounds over all prompts"
     out["settings"] = {"n_prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": temperature,
-                       "block_size": B, "seed": seed, "max_batch": max_batch}
+                       "block_size": B, "seed": seed, "max_batch": max_batch, "verify_policy": verify_policy}
     return out
 
 
@@ -86,7 +88,8 @@ def tau_worker(target_dir: str, drafter_dir: str, prompts: list[list[int]], mode
 
 def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_files: list[str | Path], max_new_tokens: int = 96,
              temperature: float = 0.0, block_size: int | None = None, modes=("dflash", "retrace"), max_batch: int = 32,
-             seed: int = 0, limit: int | None = None, threads: int | None = None, device: str = "cpu") -> dict:
+             seed: int = 0, limit: int | None = None, threads: int | None = None, device: str = "cpu",
+             verify_policy: str = "fixed") -> dict:
     """Load the pair, read prompts (JSONL: 'prompt' text or 'prompt_ids'), report tau (see tau_by_mode)."""
     dev = cm.resolve_device(device)
     with cm.torch_threads(threads):
@@ -100,7 +103,8 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_files: lis
         if limit:
             rows = rows[:limit]
         prompts = cm.encode_prompts(rows, codec)
-        rep = tau_by_mode(target, drafter, prompts, modes, max_new_tokens, temperature, block_size, max_batch, seed, dev)
+        rep = tau_by_mode(target, drafter, prompts, modes, max_new_tokens, temperature, block_size, max_batch, seed, dev,
+                          verify_policy)
     domains = [r.get("domain") for r in rows]
     if any(domains):
         rep["by_domain"] = {}

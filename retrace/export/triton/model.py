@@ -108,6 +108,7 @@ class TritonPythonModel:
             max_batch=max_batch,
             factory=params.get("RETRACE_RUNTIME_FACTORY") or None,
             options=options,
+            verify_policy=params.get("RETRACE_VERIFY_POLICY") or "adaptive",
         )
         adapter = serving.RuntimeAdapter(runtime)
         max_batch = min(max_batch, adapter.max_batch or max_batch)

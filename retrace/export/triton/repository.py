@@ -97,6 +97,7 @@ def write_repository(
     runtime_options: dict[str, Any] | None = None,
     pythonpath: Sequence[str | os.PathLike[str]] = (),
     force: bool = False,
+    verify_policy: str = "adaptive",
 ) -> Path:
     """Write the model repository for ``bundle_dir`` at ``out_repo`` and return its path.
 
@@ -105,7 +106,8 @@ def write_repository(
     needs numpy<2 and the runtime's packages). ``runtime_factory``/``runtime_options`` replace the real
     runtime (tests only); ``runtime_options`` alone are extra keyword arguments for
     ``Runtime.from_bundle`` (e.g. ``{"threads": 4, "max_seq_len": 2048}`` for onnxruntime). ``vendor_package=False`` imports retrace from the environment or
-    ``pythonpath`` instead of a copy inside the repository.
+    ``pythonpath`` instead of a copy inside the repository. ``verify_policy``: drafts verified per round
+    (``adaptive`` | ``fixed``, parameter RETRACE_VERIFY_POLICY; see retrace/runtime/verify_policy.py).
     """
     bundle = Path(bundle_dir).absolute()
     out = Path(out_repo).absolute()
@@ -125,6 +127,8 @@ def write_repository(
                               f"caches); rebuild it with retrace-export build --max-batch {max_batch}")
     if max_tokens < 0:
         raise RepositoryError(f"max_tokens must be >= 0 (0: the bundle's limit), got {max_tokens}")
+    if verify_policy not in ("adaptive", "fixed"):
+        raise RepositoryError(f"verify_policy must be 'adaptive' or 'fixed', got {verify_policy!r}")
     modes = [m.strip() for m in modes if m.strip()]
     if not modes or any("," in m for m in modes):
         raise RepositoryError(f"modes must be non-empty names without commas, got {modes}")
@@ -167,6 +171,7 @@ def write_repository(
             "RETRACE_MAX_BATCH": str(int(max_batch)),
             "RETRACE_MAX_TOKENS": str(int(max_tokens)),
             "RETRACE_MODES": ",".join(modes),
+            "RETRACE_VERIFY_POLICY": verify_policy,
         }
         if env_path is not None:
             params["EXECUTION_ENV_PATH"] = str(Path(env_path).absolute())

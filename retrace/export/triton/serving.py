@@ -84,17 +84,20 @@ def create_runtime(
     max_batch: int = 8,
     factory: str | None = None,
     options: dict[str, Any] | None = None,
+    verify_policy: str = "adaptive",
 ) -> Any:
     """Create the runtime that serves ``bundle_dir``. THE single place the real runtime is created.
 
     ``factory`` ("module:callable", called as ``f(bundle_dir, backend=..., max_batch=..., **options)``)
-    replaces it; the tests use it to load the stand-in runtime of :mod:`retrace.export.triton.standin`.
+    replaces it; the tests use it to load the stand-in runtime of :mod:`retrace.export.triton.standin`
+    (which has no verify policy).
     """
     if factory:
         return _import_callable(factory)(str(bundle_dir), backend=backend, max_batch=max_batch, **(options or {}))
     from retrace.runtime import Runtime  # imported here: only the real deployment needs torch/onnxruntime
 
-    return Runtime.from_bundle(str(bundle_dir), backend=backend, max_batch=max_batch, **(options or {}))
+    return Runtime.from_bundle(str(bundle_dir), backend=backend, max_batch=max_batch, verify_policy=verify_policy,
+                               **(options or {}))
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:

@@ -1,0 +1,116 @@
+"""What a round costs on this machine and backend: t_verify(rows, tokens) and t_draft(rows), in seconds.
+
+Learned from the rounds' own timings: an exponential moving average per (rows, tokens) bucket. A bucket
+not measured yet is read off the measured ones of the same row count (piecewise-linear between them; past
+the last one, or when only one exists, with the prior slope), or, for a row count never seen, from the
+nearest measured one (a row count's first round uses its neighbour's). The prior slope is relative to a one-token verify: `rel_slope` extra per added token
+and row (on a 2-core CPU at the Qwen3-0.6B shape a verify of T tokens costs 1 + 0.06 (T - 1) of T = 1; on
+the zoo pair fixed per-call costs dominate and it is ~0). `probe()` measures it on a free slot.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+
+import torch
+
+
+class CostModel:
+    def __init__(self, rel_slope: float = 0.06, draft_rel: float = 0.5, alpha: float = 0.2,
+                 base_s: float = 1e-3, min_rel_slope: float = 0.01):
+        self.rel_slope = rel_slope  # prior: extra verify cost per added token and row, relative to T=1
+        # floor of a measured slope: timing noise can make a longer verify look free, and then every
+        # hopeless draft would be verified "for nothing"
+        self.min_rel_slope = min_rel_slope
+        self.draft_rel = draft_rel  # prior: a draft call relative to a one-token verify
+        self.alpha = alpha
+        self.base_s = base_s  # prior: seconds of a one-row one-token verify, until one is measured
+        self.verify_s: dict[int, dict[int, float]] = {}  # rows -> tokens -> EMA seconds
+        self.draft_s: dict[int, float] = {}  # rows -> EMA seconds
+
+    # -- measurements ----------------------------------------------------------------------------------
+    def observe_verify(self, rows: int, tokens: int, seconds: float) -> None:
+        table = self.verify_s.setdefault(rows, {})
+        old = table.get(tokens)
+        table[tokens] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        old = self.draft_s.get(rows)
+        self.draft_s[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    # -- predictions -----------------------------------------------------------------------------------
+    def _table(self, rows: int) -> dict[int, float] | None:
+        """Measured verifies of this row count, else of the nearest measured one."""
+        if rows in self.verify_s:
+            return self.verify_s[rows]
+        if not self.verify_s:
+            return None
+        return self.verify_s[min(self.verify_s, key=lambda n: (abs(n - rows), n))]
+
+    def verify(self, rows: int, tokens: int) -> float:
+        rel = self.rel_slope * rows
+        table = self._table(rows)
+        if not table:
+            return self.base_s * (1 + rel * (tokens - 1))
+        if tokens in table:
+            return table[tokens]
+        ts = sorted(table)
+        i = bisect_left(ts, tokens)
+        if 0 < i < len(ts):  # between two measured token counts
+            lo, hi = ts[i - 1], ts[i]
+            return table[lo] + (tokens - lo) / (hi - lo) * (table[hi] - table[lo])
+        if len(ts) >= 2:
+            floor = self.min_rel_slope * rows * table[ts[0]] / (1 + self.min_rel_slope * rows * (ts[0] - 1))
+            slope = max(floor, (table[ts[-1]] - table[ts[0]]) / (ts[-1] - ts[0]))
+        else:  # the prior's relative slope, scaled to the one measurement
+            slope = rel * table[ts[0]] / (1 + rel * (ts[0] - 1))
+        edge = ts[0] if i == 0 else ts[-1]
+        return max(table[edge] + slope * (tokens - edge), 1e-9)
+
+    def draft(self, rows: int) -> float:
+        if rows in self.draft_s:
+            return self.draft_s[rows]
+        if self.draft_s:
+            near = min(self.draft_s, key=lambda n: (abs(n - rows), n))
+            return self.draft_s[near] * self.verify(rows, 1) / self.verify(near, 1)
+        return self.draft_rel * self.verify(rows, 1)
+
+    def to_dict(self) -> dict:
+        return {"verify_s": {str(n): {str(t): s for t, s in sorted(tab.items())} for n, tab in sorted(self.verify_s.items())},
+                "draft_s": {str(n): s for n, s in sorted(self.draft_s.items())}}
+
+
+def probe(backend, block_size: int, repeats: int = 2) -> CostModel:
+    """A prior from a few calls on a free slot (slot 0, before any request: the prefill of the first
+    request there overwrites positions 0.., and positions beyond a request's anchor are masked): one-token
+    and full-block verifies and one draft, each timed `repeats` times after a warm-up; keeps the fastest.
+    Optional (make_policy(..., probe=True), benchmarks/verify_policy.py): the rounds' own timings replace
+    it within a few rounds, and a wrapped backend (tests' oracle drafters) may not accept such calls."""
+    model = CostModel()
+    slot = torch.tensor([0])
+    tc = backend.target_config
+    ids = torch.zeros(1, block_size, dtype=torch.int64)
+    pos = torch.arange(block_size).unsqueeze(0)
+
+    def best(fn) -> float:
+        fn()  # warm-up (first-call allocations)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    t1 = best(lambda: backend.target(slot, ids[:, :1], pos[:, :1], torch.zeros(1, 1, dtype=torch.int64)))
+    tB = best(lambda: backend.target(slot, ids, pos, torch.arange(block_size).unsqueeze(0)))
+    model.base_s = t1
+    model.rel_slope = max(0.0, (tB - t1) / ((block_size - 1) * t1))
+    model.observe_verify(1, 1, t1)
+    model.observe_verify(1, block_size, tB)
+    dc = backend.drafter_config
+    if dc is not None:
+        taps = torch.zeros(1, block_size, tc.hidden_size * dc.num_taps)
+        block = torch.full((1, block_size), dc.mask_token_id, dtype=torch.int64)
+        model.observe_draft(1, best(lambda: backend.draft(slot, taps, pos, block, pos, None)))
+    return model

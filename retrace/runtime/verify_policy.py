@@ -1,0 +1,189 @@
+"""How many drafts each row sends to the target this round (K in 0..B-1); the loop calls nothing else.
+
+`fixed`: K = B-1 always (the whole block; what `retrace eval` measures).
+`adaptive`: maximise the round's expected committed tokens per second,
+    rate(K) = sum_i (1 + E_i[a | K]) / (t_draft(N) + t_verify(N, K + 1)),
+    E_i[a | K] = sum_{k<=K} prod_{j<=k} p_ij   (slot k is accepted only if every earlier one was),
+with p_ij the acceptance probability of row i's draft j from the drafter's own confidence through an
+online calibration (runtime/calibration.py) and the times from a cost model of this machine and backend
+(runtime/cost_model.py), both kept current from the rounds' own outcomes and timings.
+
+One K for all rows of the call (`ragged=False`, the default). The verify of a padded batch costs the time
+of its longest row and E_i[a | K] never decreases with K, so once the call verifies K drafts for one row,
+verifying them for every row is free and can only add tokens; a per-row K (`ragged=True`: each row keeps
+K_i = argmax 1 + E_i[a | K] - lambda t(K) / N, lambda the round's best rate) only throws those away. The
+ragged variant stays for measurement (benchmarks/verify_policy.py).
+
+Auto-off: K = 0 is plain decoding. The draft call itself is decided before drafting (its confidences do
+not exist yet), from the recent gain g = best rate / plain-decoding rate N / t_verify(N, 1) of drafted
+rounds (an EMA): when g < 1 the next `backoff` rounds of that mode skip the draft call (K = 0 for every
+row); then one round drafts again (a probe: it verifies at least one draft per row, so the calibration keeps
+learning) and its g restarts the average. Each failed probe doubles
+the backoff (up to `max_backoff` rounds), a paying round resets it, so a drafter that never pays costs one
+draft call every `max_backoff` rounds and one that starts paying is back on within that many rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from retrace.errors import RetraceError
+from retrace.runtime.calibration import Calibration
+from retrace.runtime.cost_model import CostModel, probe
+
+POLICIES = ("adaptive", "fixed")
+
+
+class VerifyPolicy(Protocol):
+    name: str
+
+    def plan(self, mode: str, rows: int) -> int:
+        """Before drafting: how many draft slots can be useful this round (0 = no draft call)."""
+        ...
+
+    def choose(self, mode: str, draft_logits: torch.Tensor, drafts: torch.Tensor,
+               q: list[torch.Tensor | None]) -> torch.Tensor:
+        """After drafting: K per row [N] (int64, each <= drafts.shape[1]). draft_logits [N,S,V] raw,
+        drafts [N,S], q[i] the processed proposal distribution of sampling row i (None: greedy row)."""
+        ...
+
+    def observe(self, mode: str, rows: int, verify_tokens: int, verify_s: float, draft_s: float | None,
+                verified: torch.Tensor | None, accepted: torch.Tensor) -> None:
+        """After the verify: the round's timings and outcome (verified None: no draft call this round)."""
+        ...
+
+
+class FixedPolicy:
+    name = "fixed"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def plan(self, mode: str, rows: int) -> int:
+        return self.block_size - 1
+
+    def choose(self, mode, draft_logits, drafts, q):
+        return torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.int64)
+
+    def observe(self, mode, rows, verify_tokens, verify_s, draft_s, verified, accepted) -> None:
+        pass
+
+
+def draft_confidence(draft_logits: torch.Tensor, q: list[torch.Tensor | None]) -> torch.Tensor:
+    """[N, S]: the drafter's processed probability of its most likely token at each slot (greedy rows:
+    softmax of the argmax = 1 / sum exp(l - max), which is the proposed token; sampling rows: max q).
+
+    Never the probability of a SAMPLED draft: K then depends on the sampled token itself, a slot is
+    verified more often when its draft is one the drafter likes, and speculative sampling's output is no
+    longer the target's distribution (tests/test_runtime_sampling.py measured it: chi-square p ~ 1e-95).
+    q is a function of the committed context only (the block is drafted in parallel), so a K chosen from
+    it is a stopping rule that never looks at the drafts it stops."""
+    logits = draft_logits.float()
+    conf = 1.0 / (logits - logits.max(-1, keepdim=True).values).exp().sum(-1)
+    for i, qi in enumerate(q):
+        if qi is not None:
+            conf[i] = qi.max(-1).values
+    return conf
+
+
+@dataclass
+class _ModeState:
+    off: int = 0  # rounds left without a draft call
+    backoff: int = 0
+    gain: float | None = None  # EMA of best rate / plain-decoding rate over drafted rounds
+
+
+class AdaptivePolicy:
+    name = "adaptive"
+
+    def __init__(self, block_size: int, cost: CostModel | None = None, ragged: bool = False,
+                 min_backoff: int = 8, max_backoff: int = 256, gain_alpha: float = 0.3,
+                 learn_cost: bool = True):
+        self.block_size = block_size
+        self.cost = cost or CostModel()
+        self.ragged = ragged
+        self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.gain_alpha = gain_alpha
+        self.learn_cost = learn_cost  # False: a fixed injected cost model (deterministic decisions in tests)
+        self.calib: dict[tuple[str, bool], Calibration] = {}
+        self.state: dict[str, _ModeState] = {}
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (conf, greedy rows) of the round
+
+    def _calibration(self, mode: str, greedy: bool) -> Calibration:
+        return self.calib.setdefault((mode, greedy), Calibration())
+
+    def _state(self, mode: str) -> _ModeState:
+        return self.state.setdefault(mode, _ModeState(backoff=self.min_backoff))
+
+    def plan(self, mode: str, rows: int) -> int:
+        st = self._state(mode)
+        if st.off > 0:
+            st.off -= 1
+            return 0
+        return self.block_size - 1
+
+    def choose(self, mode, draft_logits, drafts, q):
+        N, S = drafts.shape
+        conf = draft_confidence(draft_logits, q)
+        greedy = torch.tensor([qi is None for qi in q])
+        p = torch.empty(N, S, dtype=torch.float64)
+        for g in (True, False):
+            if bool((greedy == g).any()):
+                p[greedy == g] = self._calibration(mode, g).prob(conf[greedy == g])
+        self._last = (conf, greedy)
+        gain = torch.cat([torch.zeros(N, 1, dtype=torch.float64), p.cumprod(1).cumsum(1)], 1)  # E[a | K]
+        t_draft = self.cost.draft(N)
+        t_verify = torch.tensor([self.cost.verify(N, k + 1) for k in range(S + 1)], dtype=torch.float64)
+        t_round = t_draft + t_verify
+        rate = (N + gain.sum(0)) / t_round
+        best = int(rate.argmax())
+        probe = self._state(mode).gain is None  # the first drafted round after a pause (or ever)
+        self._update_gain(mode, float(rate[best] * t_verify[0] / N))
+        if not self.ragged:
+            k = torch.full((N,), best, dtype=torch.int64)
+        else:
+            k = (1 + gain - rate[best] * t_round.unsqueeze(0) / N).argmax(1)
+        # a probe judges at least one draft per row, so the calibration keeps learning while drafting is off
+        return k.clamp_min(min(1, S)) if probe else k
+
+    def _update_gain(self, mode: str, g: float) -> None:
+        st = self._state(mode)
+        st.gain = g if st.gain is None else st.gain + self.gain_alpha * (g - st.gain)
+        if st.gain < 1.0:
+            st.off, st.gain = st.backoff, None  # the probe after the pause starts a fresh average
+            st.backoff = min(2 * st.backoff, self.max_backoff)
+        else:
+            st.backoff = self.min_backoff
+
+    def observe(self, mode, rows, verify_tokens, verify_s, draft_s, verified, accepted) -> None:
+        if self.learn_cost:
+            self.cost.observe_verify(rows, verify_tokens, verify_s)
+            if draft_s is not None:
+                self.cost.observe_draft(rows, draft_s)
+        if verified is None or self._last is None:
+            return
+        conf, greedy = self._last
+        self._last = None
+        for g in (True, False):
+            rows_g = greedy == g
+            if bool(rows_g.any()):
+                self._calibration(mode, g).observe(conf[rows_g], verified[rows_g], accepted[rows_g])
+
+    def to_dict(self) -> dict:
+        return {"cost": self.cost.to_dict(),
+                "calibration": {f"{m}/{'greedy' if g else 'sample'}": c.to_dict() for (m, g), c in self.calib.items()}}
+
+
+def make_policy(name: str | VerifyPolicy, backend, block_size: int, probe_costs: bool = False) -> VerifyPolicy:
+    """A policy by name, or the object given. `adaptive` learns its costs from the rounds' own timings
+    (probe_costs: start from a probe of the backend on slot 0, cost_model.probe)."""
+    if not isinstance(name, str):
+        return name
+    if name == "fixed":
+        return FixedPolicy(block_size)
+    if name == "adaptive":
+        return AdaptivePolicy(block_size, probe(backend, block_size) if probe_costs else CostModel())
+    raise RetraceError(f"unknown verify policy {name!r} (choose from {', '.join(POLICIES)})")

@@ -1,0 +1,132 @@
+"""The verify policy's parts: calibration (confidence -> acceptance), cost model, the choice of K and the
+auto-off / re-probe of the draft call (retrace/runtime/{calibration,cost_model,verify_policy}.py).
+Losslessness with the policy is checked in test_runtime_greedy.py, test_runtime_sampling.py and
+test_runtime_suffix_memory.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from runtime_fixtures import LinearCost
+
+from retrace.runtime.calibration import Calibration
+from retrace.runtime.cost_model import CostModel
+from retrace.runtime.verify_policy import AdaptivePolicy, FixedPolicy, draft_confidence
+
+
+def test_calibration_counts_slots_up_to_the_first_rejection():
+    cal = Calibration(bins=4, prior_weight=0.0 + 1e-9)
+    conf = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.1, 0.1, 0.1, 0.1], [0.6, 0.6, 0.6, 0.6]])
+    # row 0: K=4, a=2 -> slots 1,2 accepted, 3 rejected, 4 unseen; row 1: K=1, a=1 -> slot 1 accepted;
+    # row 2: K=0 -> nothing judged
+    cal.observe(conf, torch.tensor([4, 1, 0]), torch.tensor([2, 1, 0]))
+    assert cal.trials.round().tolist() == [1, 0, 0, 3]
+    assert cal.hits.round().tolist() == [1, 0, 0, 2]
+    assert float(cal.prob(torch.tensor([0.95]))) == pytest.approx(2 / 3)
+
+
+def test_calibration_prior_is_the_identity_and_learns():
+    cal = Calibration(bins=10)
+    assert float(cal.prob(torch.tensor([0.95]))) == pytest.approx(0.95)
+    for _ in range(200):  # a drafter that is confident and always wrong
+        cal.observe(torch.tensor([[0.95, 0.95]]), torch.tensor([2]), torch.tensor([0]))
+    assert float(cal.prob(torch.tensor([0.95]))) < 0.05
+
+
+def test_cost_model_buckets_interpolation_and_prior_slope():
+    cm = CostModel(rel_slope=0.1, base_s=2.0)
+    assert cm.verify(1, 3) == pytest.approx(2.0 * 1.2)  # nothing measured: the prior
+    cm.observe_verify(2, 1, 1.0)
+    assert cm.verify(2, 3) == pytest.approx(1.0 * (1 + 0.2 * 2))  # prior slope scaled to the measurement
+    assert cm.verify(4, 1) == pytest.approx(1.0)  # an unmeasured row count borrows the nearest
+    cm.observe_verify(2, 5, 3.0)
+    assert cm.verify(2, 3) == pytest.approx(2.0)  # piecewise linear between measured token counts
+    assert cm.verify(2, 7) == pytest.approx(4.0)  # past the last: the measured slope
+    cm.observe_verify(2, 5, 4.0)
+    assert cm.verify(2, 5) == pytest.approx(3.0 + 0.2 * 1.0)  # EMA
+    assert cm.draft(2) == pytest.approx(0.5 * 1.0)  # prior: half a one-token verify
+    cm.observe_draft(2, 0.25)
+    assert cm.draft(2) == pytest.approx(0.25)
+
+
+def best_k_brute_force(p: torch.Tensor, cost: LinearCost) -> int:
+    """argmax over shared K of (N + sum_i sum_{k<=K} prod_{j<=k} p_ij) / (t_draft + t_verify(N, K+1))."""
+    N, S = p.shape
+    rates = []
+    for K in range(S + 1):
+        tokens = N + sum(float(p[i, :k].prod()) for i in range(N) for k in range(1, K + 1))
+        rates.append(tokens / (cost.draft(N) + cost.verify(N, K + 1)))
+    return max(range(S + 1), key=lambda k: (rates[k], -k))
+
+
+@pytest.mark.parametrize("slope", [0.02, 0.15, 0.6])
+def test_adaptive_choice_maximises_expected_tokens_per_second(slope):
+    """Calibration = identity (the prior): p = confidence. The chosen K is the brute-force optimum."""
+    cost = LinearCost(slope, 0.05)
+    g = torch.Generator().manual_seed(int(slope * 100))
+    for N in (1, 3):
+        policy = AdaptivePolicy(8, cost, learn_cost=False)
+        conf = torch.rand(N, 7, generator=g) ** 0.3
+        logits = torch.log(torch.stack([conf, 1 - conf], -1))  # greedy: confidence max(conf, 1 - conf)
+        K = policy.choose("dflash", logits, logits.argmax(-1), [None] * N)
+        p = policy.calib[("dflash", True)].prob(draft_confidence(logits, [None] * N))
+        assert K.tolist() == [best_k_brute_force(p, cost)] * N
+
+
+def test_ragged_choice_is_per_row_and_never_longer_than_shared():
+    cost = LinearCost(0.15, 0.02)
+    logits = torch.zeros(2, 7, 50)  # row 1: uniform, confidence 0.02
+    logits[0, :, 3] = 10.0  # row 0: confidence 0.99
+    chosen = {}
+    for ragged in (False, True):
+        policy = AdaptivePolicy(8, cost, ragged=ragged, learn_cost=False)
+        for _ in range(2):  # the first drafted round is a probe (K >= 1 for every row)
+            chosen[ragged] = policy.choose("dflash", logits, logits.argmax(-1), [None] * 2)
+    shared, ragged = chosen[False], chosen[True]
+    assert shared[0] == shared[1] > 0
+    assert ragged[0] > 0 and ragged[1] == 0 and int(ragged.max()) <= 7
+
+
+def test_sampling_confidence_ignores_the_sampled_token():
+    """A K that depends on the sampled drafts would bias speculative sampling: max q, not q(d)."""
+    q = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]])
+    logits = torch.zeros(2, 2, 3)
+    conf = draft_confidence(logits, [None, q])
+    assert conf[0].tolist() == pytest.approx([1 / 3, 1 / 3])
+    assert conf[1].tolist() == pytest.approx([0.7, 0.6])
+
+
+def test_drafting_turns_off_backs_off_and_comes_back():
+    cost = LinearCost(0.1, 0.5)  # a draft costs half a decode
+    policy = AdaptivePolicy(4, cost, min_backoff=2, max_backoff=8, learn_cost=False)
+    hopeless = torch.log(torch.tensor([[[0.45, 0.55]] * 3]))  # confidence 0.55, always wrong
+    plans, ks = [], []
+    for _ in range(60):
+        S = policy.plan("dflash", 1)
+        plans.append(S)
+        if S:
+            K = policy.choose("dflash", hopeless, hopeless.argmax(-1), [None])
+            ks.append(int(K[0]))
+            policy.observe("dflash", 1, int(K.max()) + 1, 1.0, 0.5, K, torch.zeros(1, dtype=torch.int64))
+    drafted = [i for i, s in enumerate(plans) if s]
+    gaps = [b - a - 1 for a, b in itertools.pairwise(drafted)]
+    gaps = gaps[next(i for i, g in enumerate(gaps) if g):]  # once the calibration has learnt it is wrong
+    assert gaps[:3] == [2, 4, 8] and set(gaps[3:]) == {8}, gaps  # exponential backoff, capped
+    assert ks[-4:] == [1] * 4  # a probe judges one draft even when it expects nothing from it
+    # the drafter becomes confident (and right): the next probe pays and drafting stays on
+    good = torch.log(torch.tensor([[[0.01, 0.99]] * 3]))
+    while not policy.plan("dflash", 1):
+        pass
+    for _ in range(30):
+        K = policy.choose("dflash", good, good.argmax(-1), [None])
+        policy.observe("dflash", 1, int(K.max()) + 1, 1.0, 0.5, K, K.clone())
+        assert policy.plan("dflash", 1) == 3
+    assert int(K[0]) == 3
+
+
+def test_fixed_policy_is_the_whole_block():
+    p = FixedPolicy(16)
+    assert p.plan("retrace", 5) == 15
+    assert p.choose("retrace", torch.zeros(5, 15, 3), torch.zeros(5, 15, dtype=torch.int64), [None] * 5).tolist() == [15] * 5
