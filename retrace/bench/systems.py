@@ -158,7 +158,7 @@ class RetraceSystem(System):
             "draft_calls": self.timers.draft.calls,
         }
         return RunOut(outputs, wall, accepted if self.mode != "ar" else None, split,
-                      list(sched.stats[self.mode].verify_hist))
+                      verify_hist=list(sched.stats[self.mode].verify_hist))
 
 
 # ----------------------------------------------------------------------------------------------- transformers
