@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean triton-env gpu-carry
+.PHONY: venv demo test lint bench bench-scale clean triton-env gpu-carry
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,17 @@ bench: $(STAMP)
 	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
 	$(BIN)/retrace zoo draft-ar --from $(ZOO) --quiet
 	$(BIN)/retrace bench --target $(ZOO)/target --drafter $(ZOO)/drafter --prompts $(ZOO)/prompts --batch-sizes 1,8 --runs 3 --limit 16 --max-new-tokens 128 --threads 1 --json bench-out/bench.json --plot bench-out/bench.png --profile bench-out/retrace.prof --markdown bench-out/bench.md --readme-table
+
+# The deployment-shape benchmark: the zoo pair inflated function-preservingly to Qwen3-0.6B's shape (real
+# compute and memory traffic, the zoo's acceptance), its ONNX Runtime bundle, every system at batch 1 and 4.
+SCALE_ZOO ?= zoo-qwen3-0.6b
+SCALE_BUNDLE ?= bundles/qwen3-0.6b
+bench-scale: $(STAMP)
+	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
+	$(BIN)/retrace zoo draft-ar --from $(ZOO) --quiet
+	$(BIN)/retrace zoo inflate --from $(ZOO) --out $(SCALE_ZOO) --shape qwen3-0.6b --quiet
+	test -f $(SCALE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --out $(SCALE_BUNDLE) --max-batch 4 --max-seq-len 512
+	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 4 --max-new-tokens 48 --threads 2 --peer-env defaults --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
