@@ -57,6 +57,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def lm_head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h [..., d] -> logits [..., V] with weight [V, d] (an nn.Linear's). In an ONNX export the weight is
+    the A operand of one GEMM over all rows, (W @ h2^T)^T: ONNX Runtime prepacks only B operands, so the
+    graph keeps the [V, d] table as it is (no transposed copy to fold, no packed copy per session), the
+    tied embedding's Gather reads the same initializer, and a second session can share it
+    (retrace.runtime.shared_weights). Same speed as the prepacked form on the CPU (benchmarks/memory.py)."""
+    if torch.onnx.is_in_onnx_export():
+        rows = h.reshape(-1, h.shape[-1])
+        return (weight @ rows.transpose(0, 1)).transpose(0, 1).reshape(*h.shape[:-1], weight.shape[0])
+    return F.linear(h, weight)
+
+
 def _attention_decomposed(q, k, v, mask):
     """The same attention as plain MatMul/Softmax (the export's "decomposed" form)."""
     rep = q.shape[1] // k.shape[1]

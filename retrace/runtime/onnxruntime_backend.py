@@ -13,6 +13,10 @@ cache of a contiguous slot range instead (no copy, but every call attends over m
 entries); benchmarks/ort_vs_torch.py measures both, and "gather" is the default because it wins at
 every length up to max_seq_len on the CPU (see the README).
 
+Shared weights: the drafter graph's copy of the target's embedding / LM head is not loaded; both sessions
+use one read-only mapping of the target's (retrace.runtime.shared_weights; bundles whose manifest lists
+graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as older bundles do).
+
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
 explicitly). Inputs and outputs stay in host memory (ONNX Runtime copies them to and from the device).
 """
@@ -31,6 +35,7 @@ from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
+from retrace.runtime.shared_weights import SharedWeights
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
        "tensor(double)": np.float64, "tensor(bfloat16)": None}
@@ -108,10 +113,13 @@ class _Cache:
 
 
 class _Graph:
-    """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory."""
+    """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory.
+    `shared`: {initializer name: OrtValue} used instead of the graph's own copies (add_initializer)."""
 
-    def __init__(self, path: Path, options, providers: list, what: str):
+    def __init__(self, path: Path, options, providers: list, what: str, shared: dict | None = None):
         ort = _ort()
+        for name, value in (shared or {}).items():
+            options.add_initializer(name, value)
         try:
             self.sess = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
@@ -141,8 +149,8 @@ class OnnxRuntimeBackend:
 
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, providers: list | None = None, kv_mode: str = "gather",
-                 session_options: dict | None = None):
-        ort = _ort()
+                 session_options: dict | None = None, share_weights: bool = True):
+        _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
         if kv_mode not in KV_MODES:
             raise RetraceError(f"unknown kv_mode {kv_mode!r} (choose from {', '.join(KV_MODES)})")
@@ -165,23 +173,17 @@ class OnnxRuntimeBackend:
             self.drafter_config = dataclasses.replace(dc, block_size=block)
         self.has_conditioner = bundle.model("conditioner") is not None
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = int(threads or 0)
-        so.inter_op_num_threads = 1
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
-        # No busy-waiting between calls: the loop's own torch work runs between ORT calls on the same
-        # cores, and spinning ORT workers stole it (measured: retrace "other" time 2.7x, see README).
-        entries = {"session.intra_op.allow_spinning": "0", **(session_options or {})}
-        for k, v in entries.items():
-            so.add_session_config_entry(k, str(v))
         if threads:
             torch.set_num_threads(int(threads))
         self.providers = list(providers) if providers else default_providers()
-        self.tgraph = _Graph(bundle.graph_path("target"), so, self.providers, "target")
+        # the embedding / LM head the drafter graph shares with the target: one mapped copy for both sessions
+        self.shared = SharedWeights.of(bundle) if share_weights and self.drafter_config is not None else None
+        self.tgraph = _Graph(bundle.graph_path("target"), _session_options(threads, session_options), self.providers,
+                             "target", self.shared.target if self.shared else None)
         self.dgraph = None
         if self.drafter_config is not None:
-            self.dgraph = _Graph(bundle.graph_path("drafter"), so, self.providers, "drafter")
+            self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
+                                 self.providers, "drafter", self.shared.drafter if self.shared else None)
             self._suffix_inputs = "valid" in self.dgraph.inputs
             if self._suffix_inputs:
                 feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
@@ -268,6 +270,21 @@ class OnnxRuntimeBackend:
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
+
+
+def _session_options(threads: int | None, entries: dict | None):
+    """Fresh SessionOptions per session (shared initializers are added to each separately)."""
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = int(threads or 0)
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    # No busy-waiting between calls: the loop's own torch work runs between ORT calls on the same
+    # cores, and spinning ORT workers stole it (measured: retrace "other" time 2.7x, see README).
+    for k, v in {"session.intra_op.allow_spinning": "0", **(entries or {})}.items():
+        so.add_session_config_entry(k, str(v))
+    return so
 
 
 def _limit(name: str, asked: int | None, built: int | None, root: Path) -> int:
