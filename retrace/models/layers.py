@@ -62,7 +62,9 @@ def lm_head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     the A operand of one GEMM over all rows, (W @ h2^T)^T: ONNX Runtime prepacks only B operands, so the
     graph keeps the [V, d] table as it is (no transposed copy to fold, no packed copy per session), the
     tied embedding's Gather reads the same initializer, and a second session can share it
-    (retrace.runtime.shared_weights). Same speed as the prepacked form on the CPU (benchmarks/memory.py)."""
+    (retrace.runtime.shared_weights). Speed on the CPU against the prepacked x @ W^T (benchmarks/memory.py
+    calls, Qwen3-0.6B shape): the same for the 15-16 rows a draft or a verify scores, slower for ONE row
+    (an ar step, a prefill's last token: MLAS computes a 16-wide panel for a 1-column B)."""
     if torch.onnx.is_in_onnx_export():
         rows = h.reshape(-1, h.shape[-1])
         return (weight @ rows.transpose(0, 1)).transpose(0, 1).reshape(*h.shape[:-1], weight.shape[0])
