@@ -136,3 +136,44 @@ def test_a_broken_table_is_refused_clearly(tmp_path, pairs, match):
     (bundle / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(BundleError, match=match):
         OnnxRuntimeBackend.from_bundle(bundle, threads=1)
+
+
+def test_one_lm_head_session_serves_both_graphs():
+    """Both graphs are cut before their LM head (they output its rows) and one session, the only one that
+    prepacks the table, scores the rows of both (retrace.runtime.lm_head_split)."""
+    be = OnnxRuntimeBackend.from_bundle(pair_and_bundle().bundle, threads=1)
+    assert be.head is not None
+    for g in (be.tgraph, be.dgraph):
+        outs = [o.name for o in g.sess.get_outputs()]
+        assert "logits" not in outs and g.rows in outs
+        assert not [i.name for i in g.sess.get_inputs() if "lm_head" in i.name]
+    assert [i.name for i in be.head.sess.get_inputs()] == ["rows"]
+    own = OnnxRuntimeBackend.from_bundle(pair_and_bundle().bundle, threads=1, share_weights=False)
+    assert own.head is None and own.tgraph.rows is None
+
+
+def test_a_graph_without_the_exported_lm_head_is_refused(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from retrace.runtime.lm_head_split import split_graph
+
+    w = numpy_helper.from_array(np.zeros((8, 4), np.float32), "W")
+    graph = helper.make_graph([helper.make_node("Gemm", ["x", "W"], ["logits"], transB=1)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 8])], [w])
+    onnx.save(helper.make_model(graph), str(tmp_path / "m.onnx"))
+    with pytest.raises(BundleError, match="not the LM head retrace exports"):
+        split_graph(tmp_path / "m.onnx")
+
+
+def test_a_drafter_lm_head_of_its_own_keeps_both_graphs_whole(tmp_path):
+    """Only an LM head the drafter shares with the target moves to the one head session."""
+    bundle = copy_bundle(tmp_path / "b")
+    m = _manifest(bundle)
+    del m["graphs"]["drafter"]["shared_initializers"]["shared_target.lm_head.weight"]
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    be = OnnxRuntimeBackend.from_bundle(bundle, threads=1, verify=False)
+    assert be.head is None and be.shared is not None and be.tgraph.rows is None and be.dgraph.rows is None
+    for a, b in zip(_calls(be), _calls(OnnxRuntimeBackend.from_bundle(pair_and_bundle().bundle, threads=1)),
+                    strict=True):
+        assert torch.equal(a, b)

@@ -15,7 +15,8 @@ every length up to max_seq_len on the CPU (see the README).
 
 Shared weights: the drafter graph's copy of the target's embedding / LM head is not loaded; both sessions
 use one read-only mapping of the target's (retrace.runtime.shared_weights; bundles whose manifest lists
-graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as older bundles do).
+graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as older bundles do), and
+their LM head runs in a third session, the only one that prepacks it (retrace.runtime.lm_head_split).
 
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
 explicitly). Inputs and outputs stay in host memory (ONNX Runtime copies them to and from the device).
@@ -35,6 +36,7 @@ from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
+from retrace.runtime.lm_head_split import EXTERNAL_FOLDER_KEY, LmHead, SplitGraph, split_graph
 from retrace.runtime.shared_weights import SharedWeights
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -114,14 +116,21 @@ class _Cache:
 
 class _Graph:
     """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory.
-    `shared`: {initializer name: OrtValue} used instead of the graph's own copies (add_initializer)."""
+    `shared`: {initializer name: OrtValue} used instead of the graph's own copies (add_initializer);
+    `split`: the graph without its LM head (retrace.runtime.lm_head_split), outputting `rows` for it."""
 
-    def __init__(self, path: Path, options, providers: list, what: str, shared: dict | None = None):
+    def __init__(self, path: Path, options, providers: list, what: str, shared: dict | None = None,
+                 split: SplitGraph | None = None):
         ort = _ort()
+        model, self.rows = str(path), None  # rows: the output that replaces logits in a split graph
+        if split is not None:
+            model, self.rows = split.model, split.rows
+            shared = {k: v for k, v in (shared or {}).items() if k in split.initializers}
+            options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(path.parent))
         for name, value in (shared or {}).items():
             options.add_initializer(name, value)
         try:
-            self.sess = ort.InferenceSession(str(path), options, providers=providers)
+            self.sess = ort.InferenceSession(model, options, providers=providers)
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             raise RetraceError(f"{path}: ONNX Runtime {ort.__version__} cannot load the {what} graph ({e}). "
                                "Bundles need onnxruntime >= 1.22 (opset 23)") from None
@@ -178,12 +187,22 @@ class OnnxRuntimeBackend:
         self.providers = list(providers) if providers else default_providers()
         # the embedding / LM head the drafter graph shares with the target: one mapped copy for both sessions
         self.shared = SharedWeights.of(bundle) if share_weights and self.drafter_config is not None else None
+        # the LM head of both graphs runs in one session of its own, the only one that prepacks the table
+        # (retrace.runtime.lm_head_split); loaded first, while nothing else is resident (lower peak)
+        self.head = t_cut = d_cut = None
+        if self.shared is not None:
+            t_cut, d_cut = split_graph(bundle.graph_path("target")), split_graph(bundle.graph_path("drafter"))
+            if self.shared.pairs.get(d_cut.weight) != t_cut.weight:  # a drafter with an LM head of its own
+                t_cut = d_cut = None
+        if t_cut is not None:
+            self.head = LmHead(bundle.graph_path("target"), t_cut.weight, _session_options(threads, session_options),
+                               self.providers)
         self.tgraph = _Graph(bundle.graph_path("target"), _session_options(threads, session_options), self.providers,
-                             "target", self.shared.target if self.shared else None)
+                             "target", self.shared.target if self.shared else None, t_cut)
         self.dgraph = None
         if self.drafter_config is not None:
             self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
-                                 self.providers, "drafter", self.shared.drafter if self.shared else None)
+                                 self.providers, "drafter", self.shared.drafter if self.shared else None, d_cut)
             self._suffix_inputs = "valid" in self.dgraph.inputs
             if self._suffix_inputs:
                 feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
@@ -227,13 +246,16 @@ class OnnxRuntimeBackend:
                  "past_len": past_len.to(torch.int64), "logits_index": logits_index.to(torch.int64)}
         feeds.update(zip(g.past_names, past, strict=True))
         K = logits_index.shape[1]
-        out = {"logits": torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits")),
-               "taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
+        out = {"taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
+        if g.rows:
+            out[g.rows] = torch.empty(N * K, self.target_config.hidden_size, dtype=g.dtype(g.rows))
+        else:
+            out["logits"] = torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits"))
         new = self.tcache.new_buffer(N, T)
         out.update(zip(g.new_names, new, strict=True))
         g.run(feeds, out)
         self.tcache.write(slots, positions, new)
-        return out["logits"], out["taps"]
+        return (self.head(out[g.rows], (N, K)) if g.rows else out["logits"]), out["taps"]
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
         g = self.dgraph
@@ -259,14 +281,18 @@ class OnnxRuntimeBackend:
                              valid=suffix.valid.to(g.dtype("valid")),
                              corr_index=suffix.corr_index.to(torch.int64).clamp(0, C - 1))
         c = dc.layers
-        out = {"hidden": torch.empty(N, B, c.hidden_size, dtype=g.dtype("hidden")),
-               "logits": torch.empty(N, B - 1, dc.vocab_size, dtype=g.dtype("logits"))}
+        out = {"hidden": torch.empty(N, B, c.hidden_size, dtype=g.dtype("hidden"))}
+        if g.rows:
+            out[g.rows] = torch.empty(N * (B - 1), dc.hidden_size, dtype=g.dtype(g.rows))
+        else:
+            out["logits"] = torch.empty(N, B - 1, dc.vocab_size, dtype=g.dtype("logits"))
         new = self.dcache.new_buffer(N, C)
         out.update(zip(g.new_names, new, strict=True))
         g.run(feeds, out)
         self.dcache.write(slots, ctx_positions, new)
         hidden = out["hidden"]
-        return (hidden if hidden.dtype == torch.float32 else hidden.float()), out["logits"]
+        logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
+        return (hidden if hidden.dtype == torch.float32 else hidden.float()), logits
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear

@@ -86,6 +86,7 @@ class SharedWeights:
         where = bundle.root / "manifest.json"
         t_path, d_path = bundle.graph_path("target"), bundle.graph_path("drafter")
         t_inits, d_inits = _initializers(t_path), _initializers(d_path)
+        self.pairs = dict(pairs)  # drafter initializer -> target initializer
         self.arrays: dict[str, np.ndarray] = {}
         self.target: dict[str, OrtValue] = {}
         self.drafter: dict[str, OrtValue] = {}

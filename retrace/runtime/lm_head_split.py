@@ -1,0 +1,110 @@
+"""One LM head for the target and the drafter in ONNX Runtime: a third session, loaded once.
+
+ONNX Runtime's CPU kernels prepack a constant B operand of MatMul/Gemm into a private copy per session, so
+the target's [V, d] LM head can be fast (prepacked: ~43 ms for 1-5 rows at the Qwen3-0.6B shape) or
+shared between two sessions (the unpacked A operand of `retrace.models.layers.lm_head`: ~70 ms for any
+row count up to 16, 1.3x slower for an ar step), not both. So at load time both graphs are cut before
+their LM head (they output the rows the head would score: `split_graph`) and one `LmHead` session,
+Gemm(rows, W, transB=1) over the target's table, holds the only packed copy; ONNX Runtime maps the table
+from the target's data file itself and drops the mapping once packed, so the embedding Gather's shared
+mapping (retrace.runtime.shared_weights) stays the only other view of it. Cost: one more ONNX Runtime
+call per target / draft call (benchmarks/memory.py calls). The bundle is unchanged (the TensorRT backend
+reads the same graphs whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrace.engines.bundle import BundleError
+
+# the folder ONNX Runtime resolves a graph's external data against when the graph is given as bytes
+EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+@dataclass
+class SplitGraph:
+    model: bytes  # the graph without its LM head (serialized ModelProto; external data stays on disk)
+    rows: str  # its new output: [R, d] rows in logits order (R = N * K)
+    weight: str  # the LM head's [V, d] initializer
+    initializers: set[str]  # those the cut graph still reads
+
+
+def split_graph(path: Path) -> SplitGraph:
+    """Cut the exported LM head, Reshape(Transpose(MatMul(W, Transpose(rows)))) -> `logits` (the A-operand
+    form of retrace.models.layers.lm_head), off a graph: `logits` is replaced by `rows`."""
+    import onnx
+    from onnx import helper
+
+    m = onnx.load(str(path), load_external_data=False)
+    g = m.graph
+    producer = {o: n for n in g.node for o in n.output}
+    try:
+        reshape = producer["logits"]
+        t_out = producer[reshape.input[0]]
+        matmul = producer[t_out.input[0]]
+        t_in = producer[matmul.input[1]]
+    except (KeyError, IndexError):
+        t_out = matmul = t_in = reshape = None
+    inits = {i.name: i for i in g.initializer}
+    if (reshape is None or (reshape.op_type, t_out.op_type, matmul.op_type, t_in.op_type)
+            != ("Reshape", "Transpose", "MatMul", "Transpose") or matmul.input[0] not in inits
+            or len(inits[matmul.input[0]].dims) != 2):
+        raise BundleError(f"{path}: the graph's logits are not the LM head retrace exports (W @ rows^T); "
+                          "rebuild the bundle with retrace-export build")
+    rows, weight = t_in.input[0], matmul.input[0]
+    d = int(inits[weight].dims[1])
+    out = next(o for o in g.output if o.name == "logits")
+    at = list(g.output).index(out)
+    g.output.remove(out)
+    g.output.insert(at, helper.make_tensor_value_info(rows, inits[weight].data_type, ["rows", d]))
+    live = {o.name for o in g.output}  # drop what only the LM head used (its shape arithmetic too)
+    keep = []
+    for n in reversed(list(g.node)):
+        if any(o in live for o in n.output) or not n.output:
+            keep.append(n)
+            live.update(n.input)
+    del g.node[:]
+    g.node.extend(reversed(keep))
+    kept = [i for i in g.initializer if i.name in live]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    return SplitGraph(m.SerializeToString(), rows, weight, {i.name for i in kept})
+
+
+class LmHead:
+    """logits = rows @ W^T in its own session (W prepacked once; the only packed copy in the process)."""
+
+    def __init__(self, graph_path: Path, weight: str, options, providers: list):
+        import onnx
+        import onnxruntime as ort
+        from onnx import helper
+
+        w = next((i for i in onnx.load(str(graph_path), load_external_data=False).graph.initializer
+                  if i.name == weight), None)
+        if w is None or len(w.dims) != 2:
+            raise BundleError(f"{graph_path}: no [V, d] initializer {weight!r} for the LM head")
+        V, d = (int(x) for x in w.dims)
+        graph = helper.make_graph([helper.make_node("Gemm", ["rows", weight], ["logits"], transB=1)], "lm_head",
+                                  [helper.make_tensor_value_info("rows", w.data_type, ["rows", d])],
+                                  [helper.make_tensor_value_info("logits", w.data_type, ["rows", V])], [w])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(graph_path.parent))
+        self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        self.vocab, self.dtype = V, {1: torch.float32, 10: torch.float16}[w.data_type]
+        self._np = {torch.float32: np.float32, torch.float16: np.float16}[self.dtype]
+
+    def __call__(self, rows: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+        """rows [R, d] (R = prod(lead)) -> logits [*lead, V]."""
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.vocab, dtype=self.dtype)
+        b = self.sess.io_binding()
+        b.bind_input("rows", "cpu", 0, self._np, tuple(rows.shape), rows.data_ptr())
+        b.bind_output("logits", "cpu", 0, self._np, tuple(out.shape), out.data_ptr())
+        self.sess.run_with_iobinding(b)
+        return out.view(*lead, self.vocab)
