@@ -10,8 +10,9 @@ measure prints the bundle's weights split by part (target, the embedding / LM he
 drafter's own layers, the conditioner), the KV caches the backend allocates at the given limits, and the
 peak RSS of `retrace generate` run in a subprocess (getrusage of the child), with its ratio to
 `target + drafter layers + conditioner + KV cache`.
-calls times the backend's draft, verify (a block of 16 new tokens, logits at each) and decode (one token,
-one row of logits: an ar step) calls at batch 1 (median of --calls), several engines' calls interleaved.
+calls times the backend's draft, verify (a block of 16 new tokens, logits at each), verify4 (4 new tokens: a
+short verify) and decode (one token, one row of logits: an ar step) calls at batch 1 (median of --calls),
+several engines' calls interleaved.
 """
 
 from __future__ import annotations
@@ -160,30 +161,32 @@ def _call_inputs(be, prompt_len: int, block: int):
     draft = (slots, taps, pos, block_ids, prompt_len - 1 + torch.arange(block).unsqueeze(0), suffix)
     verify = (slots, verify_ids, verify_pos, torch.arange(block).unsqueeze(0))
     decode = (slots, verify_ids[:, :1], verify_pos[:, :1], torch.zeros(1, 1, dtype=torch.long))
-    return draft, verify, decode
+    short = (slots, verify_ids[:, :4], verify_pos[:, :4], torch.arange(4).unsqueeze(0))
+    return draft, verify, short, decode
 
 
 def calls(args) -> dict:
-    """Median ms of draft, verify (a block of new tokens, logits at each) and decode (one token: an ar step)
+    """Median ms of draft, verify (a block of new tokens, logits at each), verify4 and decode (one token: an ar step)
     calls at batch 1 per engine, the engines' calls interleaved."""
     from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     backends = [OnnxRuntimeBackend.from_bundle(e, max_batch=1, max_seq_len=args.max_seq_len, threads=args.threads,
                                                verify=False) for e in args.engine]
     inputs = [_call_inputs(be, args.prompt_len, be.drafter_config.block_size) for be in backends]
-    times = [{"draft": [], "verify": [], "decode": []} for _ in backends]
+    times = [{"draft": [], "verify": [], "verify4": [], "decode": []} for _ in backends]
     for _ in range(args.calls):
-        for be, (draft, verify, decode), t in zip(backends, inputs, times, strict=True):
+        for be, (draft, verify, short, decode), t in zip(backends, inputs, times, strict=True):
             for name, fn, call in (("draft", be.draft, draft), ("verify", be.target, verify),
-                                   ("decode", be.target, decode)):
+                                   ("verify4", be.target, short), ("decode", be.target, decode)):
                 t0 = time.perf_counter()
                 fn(*call)
                 t[name].append(time.perf_counter() - t0)
     out = {}
+    first = {k: statistics.median(v) for k, v in times[0].items()}
     for e, t in zip(args.engine, times, strict=True):
         med = {k: 1000 * statistics.median(v) for k, v in t.items()}
-        print(f"{str(e):<50} " + "   ".join(f"{k} {v:7.1f} ms" for k, v in med.items())
-              + f"  (median of {args.calls})")
+        print(f"{str(e):<50} " + "   ".join(f"{k} {v:7.1f} ms ({v / 1000 / first[k]:.2f}x)" for k, v in med.items())
+              + f"  (median of {args.calls}; ratios to the first engine)")
         out[str(e)] = med
     return out
 

@@ -139,40 +139,53 @@ def test_a_broken_table_is_refused_clearly(tmp_path, pairs, match):
 
 
 def test_one_lm_head_session_serves_both_graphs():
-    """Both graphs are cut before their LM head (they output its rows) and one session, the only one that
-    prepacks the table, scores the rows of both (retrace.runtime.lm_head_split)."""
-    be = OnnxRuntimeBackend.from_bundle(pair_and_bundle().bundle, threads=1)
+    """Forced on (the tiny table is under the size that turns it on by default): both graphs are cut
+    before their LM head (they output its rows) and one session, the only one that prepacks the table,
+    scores the rows of both (retrace.runtime.lm_head_split); outputs as with the head inside each graph."""
+    bundle = pair_and_bundle().bundle
+    be = OnnxRuntimeBackend.from_bundle(bundle, threads=1, lm_head_session=True)
     assert be.head is not None
     for g in (be.tgraph, be.dgraph):
         outs = [o.name for o in g.sess.get_outputs()]
         assert "logits" not in outs and g.rows in outs
-        assert not [i.name for i in g.sess.get_inputs() if "lm_head" in i.name]
     assert [i.name for i in be.head.sess.get_inputs()] == ["rows"]
-    own = OnnxRuntimeBackend.from_bundle(pair_and_bundle().bundle, threads=1, share_weights=False)
-    assert own.head is None and own.tgraph.rows is None
+    inside = OnnxRuntimeBackend.from_bundle(bundle, threads=1)  # by default for a small table
+    assert inside.head is None and inside.tgraph.rows is None and inside.dgraph.rows is None
+    for a, b in zip(_calls(be), _calls(inside), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_graph_without_the_exported_lm_head_is_refused(tmp_path):
+def test_the_lm_head_is_one_prepacked_gemm_in_a_graph_that_keeps_it():
+    from retrace.runtime.lm_head_split import rewrite_head
+
+    for name in ("target", "drafter"):
+        head = rewrite_head(pair_and_bundle().bundle / name / "model.onnx", cut=False)
+        proto = onnx.load_from_string(head.model)
+        users = [(n.op_type, list(n.input).index(head.weight), n.attribute[0].i) for n in proto.graph.node
+                 if head.weight in n.input and n.op_type != "Gather"]
+        assert users == [("Gemm", 1, 1)]  # B operand, transB=1: prepacked, over the [V, d] table as stored
+
+
+def test_a_graph_without_the_exported_lm_head_is_used_as_it_is(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
 
-    from retrace.runtime.lm_head_split import split_graph
+    from retrace.runtime.lm_head_split import rewrite_head
 
     w = numpy_helper.from_array(np.zeros((8, 4), np.float32), "W")
     graph = helper.make_graph([helper.make_node("Gemm", ["x", "W"], ["logits"], transB=1)], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 8])], [w])
     onnx.save(helper.make_model(graph), str(tmp_path / "m.onnx"))
-    with pytest.raises(BundleError, match="not the LM head retrace exports"):
-        split_graph(tmp_path / "m.onnx")
+    assert rewrite_head(tmp_path / "m.onnx", cut=True) is None and rewrite_head(tmp_path / "m.onnx", cut=False) is None
 
 
-def test_a_drafter_lm_head_of_its_own_keeps_both_graphs_whole(tmp_path):
+def test_a_drafter_lm_head_of_its_own_keeps_it_in_each_graph(tmp_path):
     """Only an LM head the drafter shares with the target moves to the one head session."""
     bundle = copy_bundle(tmp_path / "b")
     m = _manifest(bundle)
     del m["graphs"]["drafter"]["shared_initializers"]["shared_target.lm_head.weight"]
     (bundle / "manifest.json").write_text(json.dumps(m))
-    be = OnnxRuntimeBackend.from_bundle(bundle, threads=1, verify=False)
+    be = OnnxRuntimeBackend.from_bundle(bundle, threads=1, verify=False, lm_head_session=True)
     assert be.head is None and be.shared is not None and be.tgraph.rows is None and be.dgraph.rows is None
     for a, b in zip(_calls(be), _calls(OnnxRuntimeBackend.from_bundle(pair_and_bundle().bundle, threads=1)),
                     strict=True):

@@ -26,46 +26,64 @@ from retrace.engines.bundle import BundleError
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
+# a table at least this large gets one LM head session (one packed copy, one more call per target / draft
+# call: ~0.04 ms, a fifth of a zoo-size ar step); a smaller one is prepacked in each graph (a copy per session)
+LM_HEAD_SESSION_MIN_BYTES = 64 << 20
+
+
 @dataclass
-class SplitGraph:
-    model: bytes  # the graph without its LM head (serialized ModelProto; external data stays on disk)
-    rows: str  # its new output: [R, d] rows in logits order (R = N * K)
+class HeadGraph:
+    model: bytes  # the rewritten graph (serialized ModelProto; its external data stays on disk)
+    rows: str | None  # cut: its output replacing logits, [R, d] rows in logits order (R = N * K); else None
     weight: str  # the LM head's [V, d] initializer
-    initializers: set[str]  # those the cut graph still reads
+    weight_bytes: int
+    initializers: set[str]  # those the rewritten graph still reads
 
 
-def split_graph(path: Path) -> SplitGraph:
-    """Cut the exported LM head, Reshape(Transpose(MatMul(W, Transpose(rows)))) -> `logits` (the A-operand
-    form of retrace.models.layers.lm_head), off a graph: `logits` is replaced by `rows`."""
+def rewrite_head(path: Path, cut: bool) -> HeadGraph | None:
+    """The graph with its exported LM head, Reshape(Transpose(MatMul(W, Transpose(rows)))) -> `logits` (the
+    A-operand form of retrace.models.layers.lm_head), rewritten: cut off (`logits` replaced by `rows`, for
+    an LmHead session) or, cut=False, as Gemm(rows, W, transB=1) inside the graph (prepacked by this
+    session). None for a graph without that head (bundles from before it: used as they are)."""
     import onnx
     from onnx import helper
+
+    from retrace.runtime.shared_weights import tensor_bytes
 
     m = onnx.load(str(path), load_external_data=False)
     g = m.graph
     producer = {o: n for n in g.node for o in n.output}
-    try:
-        reshape = producer["logits"]
-        t_out = producer[reshape.input[0]]
-        matmul = producer[t_out.input[0]]
-        t_in = producer[matmul.input[1]]
-    except (KeyError, IndexError):
-        t_out = matmul = t_in = reshape = None
     inits = {i.name: i for i in g.initializer}
-    if (reshape is None or (reshape.op_type, t_out.op_type, matmul.op_type, t_in.op_type)
-            != ("Reshape", "Transpose", "MatMul", "Transpose") or matmul.input[0] not in inits
-            or len(inits[matmul.input[0]].dims) != 2):
-        raise BundleError(f"{path}: the graph's logits are not the LM head retrace exports (W @ rows^T); "
-                          "rebuild the bundle with retrace-export build")
-    rows, weight = t_in.input[0], matmul.input[0]
-    d = int(inits[weight].dims[1])
-    out = next(o for o in g.output if o.name == "logits")
-    at = list(g.output).index(out)
-    g.output.remove(out)
-    g.output.insert(at, helper.make_tensor_value_info(rows, inits[weight].data_type, ["rows", d]))
+    chain = []
+    name, ops = "logits", ("Reshape", "Transpose", "MatMul", "Transpose")
+    for op in ops:
+        n = producer.get(name)
+        if n is None or n.op_type != op:
+            return None
+        chain.append(n)
+        name = n.input[1] if op == "MatMul" else n.input[0]
+    reshape, t_out, matmul, t_in = chain
+    weight = matmul.input[0]
+    if weight not in inits or len(inits[weight].dims) != 2:
+        return None
+    rows, w = t_in.input[0], inits[weight]
+    if cut:
+        for n in chain:
+            g.node.remove(n)
+        out = next(o for o in g.output if o.name == "logits")
+        at = list(g.output).index(out)
+        g.output.remove(out)
+        g.output.insert(at, helper.make_tensor_value_info(rows, w.data_type, ["rows", int(w.dims[1])]))
+    else:
+        at = list(g.node).index(t_in)
+        for n in chain[1:]:
+            g.node.remove(n)
+        g.node.insert(at, helper.make_node("Gemm", [rows, weight], [reshape.input[0]], name="lm_head_gemm",
+                                           transB=1))
     live = {o.name for o in g.output}  # drop what only the LM head used (its shape arithmetic too)
     keep = []
     for n in reversed(list(g.node)):
-        if any(o in live for o in n.output) or not n.output:
+        if any(o in live for o in n.output):
             keep.append(n)
             live.update(n.input)
     del g.node[:]
@@ -73,7 +91,7 @@ def split_graph(path: Path) -> SplitGraph:
     kept = [i for i in g.initializer if i.name in live]
     del g.initializer[:]
     g.initializer.extend(kept)
-    return SplitGraph(m.SerializeToString(), rows, weight, {i.name for i in kept})
+    return HeadGraph(m.SerializeToString(), rows if cut else None, weight, tensor_bytes(w), {i.name for i in kept})
 
 
 class LmHead:

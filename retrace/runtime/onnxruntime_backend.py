@@ -16,7 +16,8 @@ every length up to max_seq_len on the CPU (see the README).
 Shared weights: the drafter graph's copy of the target's embedding / LM head is not loaded; both sessions
 use one read-only mapping of the target's (retrace.runtime.shared_weights; bundles whose manifest lists
 graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as older bundles do), and
-their LM head runs in a third session, the only one that prepacks it (retrace.runtime.lm_head_split).
+their LM head runs in a third session, the only one that prepacks it (retrace.runtime.lm_head_split;
+`lm_head_session` forces it on or off; by default on for a table of 64 MiB or more).
 
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
 explicitly). Inputs and outputs stay in host memory (ONNX Runtime copies them to and from the device).
@@ -36,7 +37,13 @@ from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
-from retrace.runtime.lm_head_split import EXTERNAL_FOLDER_KEY, LmHead, SplitGraph, split_graph
+from retrace.runtime.lm_head_split import (
+    EXTERNAL_FOLDER_KEY,
+    LM_HEAD_SESSION_MIN_BYTES,
+    HeadGraph,
+    LmHead,
+    rewrite_head,
+)
 from retrace.runtime.shared_weights import SharedWeights
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -117,15 +124,15 @@ class _Cache:
 class _Graph:
     """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory.
     `shared`: {initializer name: OrtValue} used instead of the graph's own copies (add_initializer);
-    `split`: the graph without its LM head (retrace.runtime.lm_head_split), outputting `rows` for it."""
+    `head`: the graph with its LM head rewritten (retrace.runtime.lm_head_split); cut off when `rows` is set."""
 
     def __init__(self, path: Path, options, providers: list, what: str, shared: dict | None = None,
-                 split: SplitGraph | None = None):
+                 head: HeadGraph | None = None):
         ort = _ort()
         model, self.rows = str(path), None  # rows: the output that replaces logits in a split graph
-        if split is not None:
-            model, self.rows = split.model, split.rows
-            shared = {k: v for k, v in (shared or {}).items() if k in split.initializers}
+        if head is not None:
+            model, self.rows = head.model, head.rows
+            shared = {k: v for k, v in (shared or {}).items() if k in head.initializers}
             options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(path.parent))
         for name, value in (shared or {}).items():
             options.add_initializer(name, value)
@@ -158,7 +165,8 @@ class OnnxRuntimeBackend:
 
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, providers: list | None = None, kv_mode: str = "gather",
-                 session_options: dict | None = None, share_weights: bool = True):
+                 session_options: dict | None = None, share_weights: bool = True,
+                 lm_head_session: bool | None = None):
         _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
         if kv_mode not in KV_MODES:
@@ -187,22 +195,27 @@ class OnnxRuntimeBackend:
         self.providers = list(providers) if providers else default_providers()
         # the embedding / LM head the drafter graph shares with the target: one mapped copy for both sessions
         self.shared = SharedWeights.of(bundle) if share_weights and self.drafter_config is not None else None
-        # the LM head of both graphs runs in one session of its own, the only one that prepacks the table
-        # (retrace.runtime.lm_head_split); loaded first, while nothing else is resident (lower peak)
-        self.head = t_cut = d_cut = None
-        if self.shared is not None:
-            t_cut, d_cut = split_graph(bundle.graph_path("target")), split_graph(bundle.graph_path("drafter"))
-            if self.shared.pairs.get(d_cut.weight) != t_cut.weight:  # a drafter with an LM head of its own
-                t_cut = d_cut = None
-        if t_cut is not None:
-            self.head = LmHead(bundle.graph_path("target"), t_cut.weight, _session_options(threads, session_options),
-                               self.providers)
+        # the LM head (retrace.runtime.lm_head_split): a large table the drafter shares runs in one session of
+        # its own (the only packed copy; loaded first, while nothing else is resident: a lower peak), a small
+        # one is prepacked inside each graph (one call fewer per step)
+        t_path, d_path = bundle.graph_path("target"), bundle.graph_path("drafter") if self.drafter_config else None
+        t_head = rewrite_head(t_path, cut=True) if self.shared is not None else None
+        d_head = rewrite_head(d_path, cut=True) if t_head is not None else None
+        shared_head = (d_head is not None and self.shared.pairs.get(d_head.weight) == t_head.weight
+                       and (t_head.weight_bytes >= LM_HEAD_SESSION_MIN_BYTES if lm_head_session is None
+                            else lm_head_session))
+        self.head = None
+        if shared_head:
+            self.head = LmHead(t_path, t_head.weight, _session_options(threads, session_options), self.providers)
+        else:
+            t_head = rewrite_head(t_path, cut=False)
+            d_head = rewrite_head(d_path, cut=False) if d_path else None
         self.tgraph = _Graph(bundle.graph_path("target"), _session_options(threads, session_options), self.providers,
-                             "target", self.shared.target if self.shared else None, t_cut)
+                             "target", self.shared.target if self.shared else None, t_head)
         self.dgraph = None
         if self.drafter_config is not None:
             self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
-                                 self.providers, "drafter", self.shared.drafter if self.shared else None, d_cut)
+                                 self.providers, "drafter", self.shared.drafter if self.shared else None, d_head)
             self._suffix_inputs = "valid" in self.dgraph.inputs
             if self._suffix_inputs:
                 feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
