@@ -1,15 +1,17 @@
-"""One LM head for the target and the drafter in ONNX Runtime: a third session, loaded once.
+"""The LM head in ONNX Runtime, rewritten at load time: prepacked, and once per process when it is shared.
 
 ONNX Runtime's CPU kernels prepack a constant B operand of MatMul/Gemm into a private copy per session, so
-the target's [V, d] LM head can be fast (prepacked: ~43 ms for 1-5 rows at the Qwen3-0.6B shape) or
-shared between two sessions (the unpacked A operand of `retrace.models.layers.lm_head`: ~70 ms for any
-row count up to 16, 1.3x slower for an ar step), not both. So at load time both graphs are cut before
-their LM head (they output the rows the head would score: `split_graph`) and one `LmHead` session,
-Gemm(rows, W, transB=1) over the target's table, holds the only packed copy; ONNX Runtime maps the table
-from the target's data file itself and drops the mapping once packed, so the embedding Gather's shared
-mapping (retrace.runtime.shared_weights) stays the only other view of it. Cost: one more ONNX Runtime
-call per target / draft call (benchmarks/memory.py calls). The bundle is unchanged (the TensorRT backend
-reads the same graphs whole).
+the exported head (`retrace.models.layers.lm_head`: the [V, d] table as the unpacked A operand, which two
+sessions can share) is slow for few rows: at the Qwen3-0.6B shape ~70 ms for any row count up to 16
+against ~43 ms prepacked for 1-5 rows (1.3-1.7x slower for an ar step or a short verify); 4x at the zoo's.
+`rewrite_head` turns it into Gemm(rows, W, transB=1), W as stored, either inside the graph (prepacked by
+that session; for a small table, a copy per session costs little and saves a call) or cut off, the graph
+outputting the rows it would score, for one `LmHead` session that holds the only packed copy for the target
+and the drafter (a table of LM_HEAD_SESSION_MIN_BYTES or more the drafter shares). ONNX Runtime maps the
+table from the target's data file itself and drops that mapping once packed, so the embedding Gathers'
+shared mapping (retrace.runtime.shared_weights) is the only other view of it, read only where they touch
+it. Cost: one more ONNX Runtime call per target / draft call (~0.02-0.04 ms). The bundle is unchanged
+(the TensorRT backend reads the same graphs whole).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ The drafter graph carries the target's embedding / LM head as initializers named
 pairs in the manifest (`graphs.drafter.shared_initializers`: drafter name -> target name). At load time
 each such tensor is mapped ONCE, read-only, from the target's external data file and given to both
 sessions with `SessionOptions.add_initializer` (one OrtValue, two names), so neither session reads its
-own copy. This saves memory only because the export keeps these weights where ONNX Runtime never
-prepacks them: the embedding is a Gather table and the LM head is the A operand of its GEMM
-(`retrace.models.layers.lm_head`); a prepacked B operand would get a private packed copy per session.
+own copy. A prepacked B operand gets a private packed copy per session, so for a large table the LM head
+of both graphs runs in one session of its own (retrace.runtime.lm_head_split), and the mapping is read
+only where the embedding Gathers touch it.
 """
 
 from __future__ import annotations
