@@ -28,9 +28,11 @@ from retrace.engines.bundle import BundleError
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
-# a table at least this large gets one LM head session (one packed copy, one more call per target / draft
-# call: ~0.04 ms, a fifth of a zoo-size ar step); a smaller one is prepacked in each graph (a copy per session)
-LM_HEAD_SESSION_MIN_BYTES = 64 << 20
+# a table at least this large gets one LM head session (one packed copy; one more call per target / draft
+# call, ~0.03 ms: 2% of a GEMV over 16 MiB, 10-15% of a zoo-size ar step); a smaller one is prepacked in
+# each graph (a packed copy per session and the mapping: at most ~48 MiB more; the 0.6B table's 622 MB
+# that way gave a peak RSS of 4.22 GB against 3.00 GB with the head session)
+LM_HEAD_SESSION_MIN_BYTES = 16 << 20
 
 
 @dataclass

@@ -17,7 +17,7 @@ Shared weights: the drafter graph's copy of the target's embedding / LM head is 
 use one read-only mapping of the target's (retrace.runtime.shared_weights; bundles whose manifest lists
 graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as older bundles do), and
 their LM head runs in a third session, the only one that prepacks it (retrace.runtime.lm_head_split;
-`lm_head_session` forces it on or off; by default on for a table of 64 MiB or more).
+`lm_head_session` forces it on or off; by default on for a table of 16 MiB or more).
 
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
 explicitly). Inputs and outputs stay in host memory (ONNX Runtime copies them to and from the device).
