@@ -10,8 +10,8 @@ outputting the rows it would score, for one `LmHead` session that holds the only
 and the drafter (a table of LM_HEAD_SESSION_MIN_BYTES or more the drafter shares). ONNX Runtime maps the
 table from the target's data file itself and drops that mapping once packed, so the embedding Gathers'
 shared mapping (retrace.runtime.shared_weights) is the only other view of it, read only where they touch
-it. Cost: one more ONNX Runtime call per target / draft call (~0.02-0.04 ms). The bundle is unchanged
-(the TensorRT backend reads the same graphs whole).
+it. Cost: one more ONNX Runtime call per target / draft call (~0.02-0.04 ms). Layouts alone:
+benchmarks/lm_head_layouts.py. The bundle is unchanged (the TensorRT backend reads the same graphs whole).
 """
 
 from __future__ import annotations
