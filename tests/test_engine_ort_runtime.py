@@ -74,6 +74,19 @@ def test_greedy_equals_torch_backend_and_transformers(world, mode, batch):
     assert all(r.text == words(r.token_ids) for r in ort_res)  # the bundle's tokenizer
 
 
+@pytest.mark.parametrize("mode", ["ar", "retrace"])
+def test_one_lm_head_session_decodes_exactly(world, mode):
+    """The LM head of both graphs in one session of its own (retrace.runtime.lm_head_split; forced on: the
+    tiny table is under the size that turns it on by default), with ragged acceptance and slot reuse
+    (oracle drafter, 6 requests through 4 slots): transformers' greedy tokens."""
+    built, prompts, greedy = world
+    seqs = {tuple(p): p + g for p, g in zip(prompts, greedy, strict=True)}
+    rt = ort_runtime(built, seqs if mode != "ar" else None, lm_head_session=True)
+    assert (rt.backend.inner if mode != "ar" else rt.backend).head is not None
+    check(rt.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), mode), [g[:MAX_NEW] for g in greedy],
+          f"lm_head session {mode}")
+
+
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("mode", ["dflash", "retrace"])
 def test_accepted_drafts_slot_reuse_and_ragged_acceptance(world, mode, policy):

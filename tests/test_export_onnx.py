@@ -91,7 +91,7 @@ def test_drafter_graph_has_one_fusion_node_with_plugin_attributes(built, models)
     shapes = {i.name: tuple(i.dims) for i in g.graph.initializer}
     V = drafter.config.vocab_size
     assert shapes["shared_target.model.embed_tokens.weight"] == (V, d)
-    assert shapes["shared_target.lm_head.weight.T"] == (d, V)
+    assert shapes["shared_target.lm_head.weight"] == (V, d)  # [V, d]: the A operand of its GEMM, no .T copy
     # weights keep readable names (no anonymous folded copies), and none is stored twice
     assert all(n.startswith(("drafter.", "shared_target.")) for n, s in shapes.items() if len(s) == 2)
     onnx.checker.check_model(str(built.bundle / "drafter" / "model.onnx"))

@@ -263,6 +263,14 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
             onnx_export.check_graph(ctx.graphs["drafter"].path, "drafter",
                                     expect_fusion_nodes=1 if drafter.conditioner is not None else 0)
 
+    shared: dict[str, str] = {}
+    if drafter is not None:
+        with reporter.stage("shared weights: drafter initializers equal to the target's"):
+            from retrace.runtime.shared_weights import shared_pairs
+
+            shared = shared_pairs(ctx.graphs["target"].path, ctx.graphs["drafter"].path)
+            reporter.note(f"{len(shared)} shared (ONNX Runtime loads them once): {', '.join(shared) or 'none'}")
+
     parity: dict[str, Any] = {"tolerance": tolerance, "rule": "max|ort-torch| <= tolerance * max(1, max|logits|)"}
     with reporter.stage("parity: target in ONNX Runtime vs torch"):
         parity["target"] = run_parity("target", target, ctx.graphs["target"].path, block or 16, tolerance)
@@ -278,6 +286,8 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
                       "(generate with token ids)")
 
     ctx.manifest = _manifest(opts, tcfg, dcfg, drafter, block, ctx.graphs, parity, tok)
+    if shared:  # drafter initializer -> target initializer (retrace.runtime.shared_weights)
+        ctx.manifest["graphs"]["drafter"]["shared_initializers"] = shared
     if hook is not None:
         hook(ctx)  # the backend's own stages (they use ctx.stage)
 

@@ -57,6 +57,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def lm_head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h [..., d] -> logits [..., V] with weight [V, d] (an nn.Linear's). In an ONNX export the weight is
+    the A operand of one GEMM over all rows, (W @ h2^T)^T: the graph keeps the [V, d] table as it is (no
+    transposed copy), the tied embedding's Gather reads the same initializer, and a second session can
+    share it (retrace.runtime.shared_weights). The ONNX Runtime backend rewrites this head when it loads
+    the graph (retrace.runtime.lm_head_split: one prepacked Gemm, in a session of its own when the drafter
+    shares a large table): as the A operand, ONE row (an ar step) costs as much as 16 (MLAS computes a
+    16-wide panel for a 1-column B), 1.3-1.7x the prepacked form at the Qwen3-0.6B shape, 4x at the zoo's."""
+    if torch.onnx.is_in_onnx_export():
+        rows = h.reshape(-1, h.shape[-1])
+        return (weight @ rows.transpose(0, 1)).transpose(0, 1).reshape(*h.shape[:-1], weight.shape[0])
+    return F.linear(h, weight)
+
+
 def _attention_decomposed(q, k, v, mask):
     """The same attention as plain MatMul/Softmax (the export's "decomposed" form)."""
     rep = q.shape[1] // k.shape[1]

@@ -16,7 +16,7 @@ from torch import nn
 from retrace.errors import CheckpointError
 from retrace.models.checkpoint import load_into, read_dir_tensors, weight_files, weights_location
 from retrace.models.config import Qwen3Config
-from retrace.models.layers import DecoderLayer, RMSNorm, past_mask, rope_cos_sin
+from retrace.models.layers import DecoderLayer, RMSNorm, lm_head, past_mask, rope_cos_sin
 
 
 class Qwen3Model(nn.Module):
@@ -71,7 +71,7 @@ class Qwen3Target(nn.Module):
         return self.model.embed_tokens(ids)
 
     def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h_normed).float()
+        return lm_head(h_normed, self.lm_head.weight).float()
 
     def forward(
         self,

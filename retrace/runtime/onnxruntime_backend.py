@@ -13,6 +13,12 @@ cache of a contiguous slot range instead (no copy, but every call attends over m
 entries); benchmarks/ort_vs_torch.py measures both, and "gather" is the default because it wins at
 every length up to max_seq_len on the CPU (see the README).
 
+Shared weights: the drafter graph's copy of the target's embedding / LM head is not loaded; both sessions
+use one read-only mapping of the target's (retrace.runtime.shared_weights; bundles whose manifest lists
+graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as older bundles do), and
+their LM head runs in a third session, the only one that prepacks it (retrace.runtime.lm_head_split;
+`lm_head_session` forces it on or off; by default on for a table of 16 MiB or more).
+
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
 explicitly). Inputs and outputs stay in host memory (ONNX Runtime copies them to and from the device).
 """
@@ -31,6 +37,14 @@ from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
+from retrace.runtime.lm_head_split import (
+    EXTERNAL_FOLDER_KEY,
+    LM_HEAD_SESSION_MIN_BYTES,
+    HeadGraph,
+    LmHead,
+    rewrite_head,
+)
+from retrace.runtime.shared_weights import SharedWeights
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
        "tensor(double)": np.float64, "tensor(bfloat16)": None}
@@ -108,12 +122,22 @@ class _Cache:
 
 
 class _Graph:
-    """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory."""
+    """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory.
+    `shared`: {initializer name: OrtValue} used instead of the graph's own copies (add_initializer);
+    `head`: the graph with its LM head rewritten (retrace.runtime.lm_head_split); cut off when `rows` is set."""
 
-    def __init__(self, path: Path, options, providers: list, what: str):
+    def __init__(self, path: Path, options, providers: list, what: str, shared: dict | None = None,
+                 head: HeadGraph | None = None):
         ort = _ort()
+        model, self.rows = str(path), None  # rows: the output that replaces logits in a split graph
+        if head is not None:
+            model, self.rows = head.model, head.rows
+            shared = {k: v for k, v in (shared or {}).items() if k in head.initializers}
+            options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(path.parent))
+        for name, value in (shared or {}).items():
+            options.add_initializer(name, value)
         try:
-            self.sess = ort.InferenceSession(str(path), options, providers=providers)
+            self.sess = ort.InferenceSession(model, options, providers=providers)
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             raise RetraceError(f"{path}: ONNX Runtime {ort.__version__} cannot load the {what} graph ({e}). "
                                "Bundles need onnxruntime >= 1.22 (opset 23)") from None
@@ -141,8 +165,9 @@ class OnnxRuntimeBackend:
 
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, providers: list | None = None, kv_mode: str = "gather",
-                 session_options: dict | None = None):
-        ort = _ort()
+                 session_options: dict | None = None, share_weights: bool = True,
+                 lm_head_session: bool | None = None):
+        _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
         if kv_mode not in KV_MODES:
             raise RetraceError(f"unknown kv_mode {kv_mode!r} (choose from {', '.join(KV_MODES)})")
@@ -165,23 +190,32 @@ class OnnxRuntimeBackend:
             self.drafter_config = dataclasses.replace(dc, block_size=block)
         self.has_conditioner = bundle.model("conditioner") is not None
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = int(threads or 0)
-        so.inter_op_num_threads = 1
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
-        # No busy-waiting between calls: the loop's own torch work runs between ORT calls on the same
-        # cores, and spinning ORT workers stole it (measured: retrace "other" time 2.7x, see README).
-        entries = {"session.intra_op.allow_spinning": "0", **(session_options or {})}
-        for k, v in entries.items():
-            so.add_session_config_entry(k, str(v))
         if threads:
             torch.set_num_threads(int(threads))
         self.providers = list(providers) if providers else default_providers()
-        self.tgraph = _Graph(bundle.graph_path("target"), so, self.providers, "target")
+        # the embedding / LM head the drafter graph shares with the target: one mapped copy for both sessions
+        self.shared = SharedWeights.of(bundle) if share_weights and self.drafter_config is not None else None
+        # the LM head (retrace.runtime.lm_head_split): a large table the drafter shares runs in one session of
+        # its own (the only packed copy; loaded first, while nothing else is resident: a lower peak), a small
+        # one is prepacked inside each graph (one call fewer per step)
+        t_path, d_path = bundle.graph_path("target"), bundle.graph_path("drafter") if self.drafter_config else None
+        t_head = rewrite_head(t_path, cut=True) if self.shared is not None else None
+        d_head = rewrite_head(d_path, cut=True) if t_head is not None else None
+        shared_head = (d_head is not None and self.shared.pairs.get(d_head.weight) == t_head.weight
+                       and (t_head.weight_bytes >= LM_HEAD_SESSION_MIN_BYTES if lm_head_session is None
+                            else lm_head_session))
+        self.head = None
+        if shared_head:
+            self.head = LmHead(t_path, t_head.weight, _session_options(threads, session_options), self.providers)
+        else:
+            t_head = rewrite_head(t_path, cut=False)
+            d_head = rewrite_head(d_path, cut=False) if d_path else None
+        self.tgraph = _Graph(bundle.graph_path("target"), _session_options(threads, session_options), self.providers,
+                             "target", self.shared.target if self.shared else None, t_head)
         self.dgraph = None
         if self.drafter_config is not None:
-            self.dgraph = _Graph(bundle.graph_path("drafter"), so, self.providers, "drafter")
+            self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
+                                 self.providers, "drafter", self.shared.drafter if self.shared else None, d_head)
             self._suffix_inputs = "valid" in self.dgraph.inputs
             if self._suffix_inputs:
                 feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
@@ -225,13 +259,16 @@ class OnnxRuntimeBackend:
                  "past_len": past_len.to(torch.int64), "logits_index": logits_index.to(torch.int64)}
         feeds.update(zip(g.past_names, past, strict=True))
         K = logits_index.shape[1]
-        out = {"logits": torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits")),
-               "taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
+        out = {"taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
+        if g.rows:
+            out[g.rows] = torch.empty(N * K, self.target_config.hidden_size, dtype=g.dtype(g.rows))
+        else:
+            out["logits"] = torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits"))
         new = self.tcache.new_buffer(N, T)
         out.update(zip(g.new_names, new, strict=True))
         g.run(feeds, out)
         self.tcache.write(slots, positions, new)
-        return out["logits"], out["taps"]
+        return (self.head(out[g.rows], (N, K)) if g.rows else out["logits"]), out["taps"]
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
         g = self.dgraph
@@ -257,17 +294,36 @@ class OnnxRuntimeBackend:
                              valid=suffix.valid.to(g.dtype("valid")),
                              corr_index=suffix.corr_index.to(torch.int64).clamp(0, C - 1))
         c = dc.layers
-        out = {"hidden": torch.empty(N, B, c.hidden_size, dtype=g.dtype("hidden")),
-               "logits": torch.empty(N, B - 1, dc.vocab_size, dtype=g.dtype("logits"))}
+        out = {"hidden": torch.empty(N, B, c.hidden_size, dtype=g.dtype("hidden"))}
+        if g.rows:
+            out[g.rows] = torch.empty(N * (B - 1), dc.hidden_size, dtype=g.dtype(g.rows))
+        else:
+            out["logits"] = torch.empty(N, B - 1, dc.vocab_size, dtype=g.dtype("logits"))
         new = self.dcache.new_buffer(N, C)
         out.update(zip(g.new_names, new, strict=True))
         g.run(feeds, out)
         self.dcache.write(slots, ctx_positions, new)
         hidden = out["hidden"]
-        return (hidden if hidden.dtype == torch.float32 else hidden.float()), out["logits"]
+        logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
+        return (hidden if hidden.dtype == torch.float32 else hidden.float()), logits
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
+
+
+def _session_options(threads: int | None, entries: dict | None):
+    """Fresh SessionOptions per session (shared initializers are added to each separately)."""
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = int(threads or 0)
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    # No busy-waiting between calls: the loop's own torch work runs between ORT calls on the same
+    # cores, and spinning ORT workers stole it (measured: retrace "other" time 2.7x, see README).
+    for k, v in {"session.intra_op.allow_spinning": "0", **(entries or {})}.items():
+        so.add_session_config_entry(k, str(v))
+    return so
 
 
 def _limit(name: str, asked: int | None, built: int | None, root: Path) -> int:

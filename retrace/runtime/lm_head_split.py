@@ -1,0 +1,132 @@
+"""The LM head in ONNX Runtime, rewritten at load time: prepacked, and once per process when it is shared.
+
+ONNX Runtime's CPU kernels prepack a constant B operand of MatMul/Gemm into a private copy per session, so
+the exported head (`retrace.models.layers.lm_head`: the [V, d] table as the unpacked A operand, which two
+sessions can share) is slow for few rows: at the Qwen3-0.6B shape ~70 ms for any row count up to 16
+against ~43 ms prepacked for 1-5 rows (1.3-1.7x slower for an ar step or a short verify); 4x at the zoo's.
+`rewrite_head` turns it into Gemm(rows, W, transB=1), W as stored, either inside the graph (prepacked by
+that session; for a small table, a copy per session costs little and saves a call) or cut off, the graph
+outputting the rows it would score, for one `LmHead` session that holds the only packed copy for the target
+and the drafter (a table of LM_HEAD_SESSION_MIN_BYTES or more the drafter shares). ONNX Runtime maps the
+table from the target's data file itself and drops that mapping once packed, so the embedding Gathers'
+shared mapping (retrace.runtime.shared_weights) is the only other view of it, read only where they touch
+it. Cost: one more ONNX Runtime call per target / draft call (~0.02-0.04 ms). Layouts alone:
+benchmarks/lm_head_layouts.py. The bundle is unchanged (the TensorRT backend reads the same graphs whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrace.engines.bundle import BundleError
+
+# the folder ONNX Runtime resolves a graph's external data against when the graph is given as bytes
+EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+# a table at least this large gets one LM head session (one packed copy; one more call per target / draft
+# call, ~0.03 ms: 2% of a GEMV over 16 MiB, 10-15% of a zoo-size ar step); a smaller one is prepacked in
+# each graph (a packed copy per session and the mapping: at most ~48 MiB more; the 0.6B table's 622 MB
+# that way gave a peak RSS of 4.22 GB against 3.00 GB with the head session)
+LM_HEAD_SESSION_MIN_BYTES = 16 << 20
+
+
+@dataclass
+class HeadGraph:
+    model: bytes  # the rewritten graph (serialized ModelProto; its external data stays on disk)
+    rows: str | None  # cut: its output replacing logits, [R, d] rows in logits order (R = N * K); else None
+    weight: str  # the LM head's [V, d] initializer
+    weight_bytes: int
+    initializers: set[str]  # those the rewritten graph still reads
+
+
+def rewrite_head(path: Path, cut: bool) -> HeadGraph | None:
+    """The graph with its exported LM head, Reshape(Transpose(MatMul(W, Transpose(rows)))) -> `logits` (the
+    A-operand form of retrace.models.layers.lm_head), rewritten: cut off (`logits` replaced by `rows`, for
+    an LmHead session) or, cut=False, as Gemm(rows, W, transB=1) inside the graph (prepacked by this
+    session). None for a graph without that head (bundles from before it: used as they are)."""
+    import onnx
+    from onnx import helper
+
+    from retrace.runtime.shared_weights import tensor_bytes
+
+    m = onnx.load(str(path), load_external_data=False)
+    g = m.graph
+    producer = {o: n for n in g.node for o in n.output}
+    inits = {i.name: i for i in g.initializer}
+    chain = []
+    name, ops = "logits", ("Reshape", "Transpose", "MatMul", "Transpose")
+    for op in ops:
+        n = producer.get(name)
+        if n is None or n.op_type != op:
+            return None
+        chain.append(n)
+        name = n.input[1] if op == "MatMul" else n.input[0]
+    reshape, t_out, matmul, t_in = chain
+    weight = matmul.input[0]
+    if weight not in inits or len(inits[weight].dims) != 2:
+        return None
+    rows, w = t_in.input[0], inits[weight]
+    if cut:
+        for n in chain:
+            g.node.remove(n)
+        out = next(o for o in g.output if o.name == "logits")
+        at = list(g.output).index(out)
+        g.output.remove(out)
+        g.output.insert(at, helper.make_tensor_value_info(rows, w.data_type, ["rows", int(w.dims[1])]))
+    else:
+        at = list(g.node).index(t_in)
+        for n in chain[1:]:
+            g.node.remove(n)
+        g.node.insert(at, helper.make_node("Gemm", [rows, weight], [reshape.input[0]], name="lm_head_gemm",
+                                           transB=1))
+    live = {o.name for o in g.output}  # drop what only the LM head used (its shape arithmetic too)
+    keep = []
+    for n in reversed(list(g.node)):
+        if any(o in live for o in n.output):
+            keep.append(n)
+            live.update(n.input)
+    del g.node[:]
+    g.node.extend(reversed(keep))
+    kept = [i for i in g.initializer if i.name in live]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    return HeadGraph(m.SerializeToString(), rows if cut else None, weight, tensor_bytes(w), {i.name for i in kept})
+
+
+class LmHead:
+    """logits = rows @ W^T in its own session (W prepacked once; the only packed copy in the process)."""
+
+    def __init__(self, graph_path: Path, weight: str, options, providers: list):
+        import onnx
+        import onnxruntime as ort
+        from onnx import helper
+
+        w = next((i for i in onnx.load(str(graph_path), load_external_data=False).graph.initializer
+                  if i.name == weight), None)
+        if w is None or len(w.dims) != 2:
+            raise BundleError(f"{graph_path}: no [V, d] initializer {weight!r} for the LM head")
+        V, d = (int(x) for x in w.dims)
+        graph = helper.make_graph([helper.make_node("Gemm", ["rows", weight], ["logits"], transB=1)], "lm_head",
+                                  [helper.make_tensor_value_info("rows", w.data_type, ["rows", d])],
+                                  [helper.make_tensor_value_info("logits", w.data_type, ["rows", V])], [w])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(graph_path.parent))
+        self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        self.vocab, self.dtype = V, {1: torch.float32, 10: torch.float16}[w.data_type]
+        self._np = {torch.float32: np.float32, torch.float16: np.float16}[self.dtype]
+
+    def __call__(self, rows: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+        """rows [R, d] (R = prod(lead)) -> logits [*lead, V]."""
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.vocab, dtype=self.dtype)
+        b = self.sess.io_binding()
+        b.bind_input("rows", "cpu", 0, self._np, tuple(rows.shape), rows.data_ptr())
+        b.bind_output("logits", "cpu", 0, self._np, tuple(out.shape), out.data_ptr())
+        self.sess.run_with_iobinding(b)
+        return out.view(*lead, self.vocab)
