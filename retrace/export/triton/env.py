@@ -47,6 +47,7 @@ MODEL_ENV_REQUIREMENTS: tuple[str, ...] = (
     "numpy>=1.26,<2",
     "torch==2.13.0",
     "onnxruntime>=1.23",
+    "onnx>=1.19",  # the ONNX Runtime backend reads / rewrites the bundle's graphs (shared LM head)
     "safetensors>=0.6",
     "tokenizers>=0.22",
     "transformers>=5.20,<5.24",
