@@ -33,25 +33,10 @@ DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SMALL = tk.Tile(99, 16, 16, 16, 1, 1)  # d=24 -> partial tiles along N and along K
 
 def make(n, b, d, f, dtype, valid_mode, seed):
-    g = torch.Generator().manual_seed(seed)
-    def r(*s, sc=1.0):
-        return (torch.randn(*s, generator=g) * sc).to(dtype)
-    x, m, c = r(n, b, d), r(n, b, d, sc=2.0), r(n, b, d)
-    feats = torch.rand(n, b, f, generator=g).to(dtype)
-    if valid_mode == "all":
-        v = torch.ones(n, b)
-    elif valid_mode == "none":
-        v = torch.zeros(n, b)
-    else:
-        v = (torch.rand(n, b, generator=g) > 0.4).float()
-        v[:, 0] = 0.0
-        v[0, 1] = 1.0
-    v = v.to(dtype)
-    if valid_mode != "all":  # stale memory in invalid slots must not reach the output
-        m[v == 0] = float("nan")
-    ws = [r(d, 2 * d, sc=d ** -0.5), r(d, 2 * d + f, sc=d ** -0.5), r(d), 1 + r(d, sc=0.1),
-          r(d, d, sc=d ** -0.5)]
-    return [x, m, c, feats, v, *ws]
+    """The op's inputs and weights (the GPU check builds its cases with the same function)."""
+    from retrace.gpucheck.kernels import make as make_case
+
+    return make_case(n, b, d, f, dtype, valid_mode, seed, "cpu")
 
 out = {}
 for name, (n, b, d, f, dt, valid_mode, tile) in json.loads(sys.argv[1]).items():
