@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -30,24 +31,13 @@ from retrace.runtime.verify_policy import AdaptivePolicy
 
 
 def random_qwen3_06b(root: Path) -> tuple[Path, Path]:
-    """The Qwen3-0.6B shape with random weights, and a random 1-layer DFlash drafter with a conditioner."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """The Qwen3-0.6B shape with random weights and a random 1-layer drafter with a conditioner (cached)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its sibling benchmarks
+    from memory import make_pair
 
-    from retrace.models.conditioner import ReTraceConditioner
-    from retrace.models.drafter import DFlashDrafter, new_drafter_config
-    from retrace.models.target import Qwen3Target
-
-    if not (root / "drafter" / "config.json").exists():
-        torch.manual_seed(0)
-        cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                          tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-        Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
-        target = Qwen3Target.from_pretrained(root / "target")
-        drafter = DFlashDrafter(new_drafter_config(target, num_layers=1, block_size=16), target)
-        drafter.conditioner = ReTraceConditioner(1024)
-        drafter.save_pretrained(root / "drafter")
-    return root / "target", root / "drafter"
+    if (root / "drafter" / "config.json").exists():
+        return root / "target", root / "drafter"
+    return make_pair(root, "qwen3-0.6b")
 
 
 def make_policies(block: int) -> dict:
