@@ -33,7 +33,7 @@ from retrace.output_dir import OutputDirError, check_output, staged_output
 ZOO_VERSION = 1
 MANIFEST = "manifest.json"
 KIND = "zoo"  # the owner-marker kind (retrace.output_dir)
-_ZOO_ENTRIES = {"target", "drafter", "prompts", "data", MANIFEST}
+_ZOO_ENTRIES = {"target", "drafter", "prompts", "data", "draft-ar", MANIFEST}  # draft-ar: `retrace zoo draft-ar`
 
 # Per size: drafter, conditioner and evaluation settings (sized for 2 CPU cores: see the module README
 # notes in the manifest's "timings").
