@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from retrace.gpucheck.kernels import ABS_TOL  # the GPU check uses the same tolerances
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r'''
@@ -73,7 +75,6 @@ CASES = {
     "bf16_partial_mixed": (2, 5, 24, 3, "bf16", "mixed", "small"),
     "fp32_no_features": (2, 4, 24, 0, "fp32", "mixed", "small"),
 }
-ABS_TOL = {"fp32": 2e-5, "fp16": 4e-3, "bf16": 4e-2}
 
 
 @pytest.fixture(scope="module")
