@@ -233,8 +233,8 @@ class Scheduler:
         ks = verified.tolist() if verified is not None else [0] * N
         for i, (r, a, b, d, k) in enumerate(zip(reqs, accepted.tolist(), bonus.tolist(), drafts.tolist(), ks,
                                                 strict=True)):
-            r.stats.record(a, k)
-            self.stats[mode].record(a, k)
+            r.stats.record(a, k, S)
+            self.stats[mode].record(a, k, S)
             self._extend_context(r, taps[i], drafted=S > 0)
             r.anchor, r.anchor_pos = b, r.anchor_pos + a + 1
             self._commit(r, d[:a] + [b], events)

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 class AcceptStats:
     rounds: int = 0
     tokens: int = 0
+    drafted: int = 0  # draft slots the drafter filled for the rounds that drafted (verified or not)
     accepted_hist: list[int] = field(default_factory=list)  # index a = rounds that accepted a drafts
     verify_hist: list[int] = field(default_factory=list)  # index K = rounds that verified K drafts
 
-    def record(self, accepted: int, verified: int = 0) -> None:
+    def record(self, accepted: int, verified: int = 0, drafted: int = 0) -> None:
         self.rounds += 1
+        self.drafted += drafted
         _bump(self.accepted_hist, accepted)
         _bump(self.verify_hist, verified)
 
@@ -26,13 +28,15 @@ class AcceptStats:
     def merge(self, other: AcceptStats) -> None:
         self.rounds += other.rounds
         self.tokens += other.tokens
+        self.drafted += other.drafted
         for a, n in enumerate(other.accepted_hist):
             _bump(self.accepted_hist, a, n)
         for k, n in enumerate(other.verify_hist):
             _bump(self.verify_hist, k, n)
 
     def to_dict(self) -> dict:
-        return {"tau": self.tau, "rounds": self.rounds, "tokens": self.tokens, "accepted_hist": list(self.accepted_hist),
+        return {"tau": self.tau, "rounds": self.rounds, "tokens": self.tokens, "drafted": self.drafted,
+                "accepted_hist": list(self.accepted_hist),
                 "verify_hist": list(self.verify_hist)}
 
 
