@@ -147,3 +147,15 @@ def summarize(total: dict) -> dict:
     if total.get("slot1_n"):
         out["top1_slot1"] = total["top1_slot1"] / total["slot1_n"]
     return {k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in out.items()}
+
+
+class BlockModel(torch.nn.Module):
+    """`block_forward` as a module's forward, so DDP / FSDP can wrap the drafter (its trainable parameters;
+    the target stays outside, frozen and unwrapped)."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, taps, anchor_pos, block_ids, suffix: BlockSuffix | None = None):
+        return block_forward(self.drafter, taps, anchor_pos, block_ids, suffix)

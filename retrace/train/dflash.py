@@ -12,6 +12,7 @@ embedding makes all block slots identical). Writes the z-lab checkpoint format.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -29,6 +30,7 @@ from retrace.models.target import Qwen3Target
 from retrace.runtime.tokenizer import TextCodec
 from retrace.train import blocks as bl
 from retrace.train import common as cm
+from retrace.train import distributed as dist
 from retrace.train.outputs import drop_stale_conditioner
 from retrace.train.rollout import generate, generate_shard, make_backend, run_requests
 
@@ -78,6 +80,8 @@ class DFlashConfig:
     device: str = "auto"
     bf16: bool | None = None  # None: on for CUDA, off for CPU
     threads: int | None = None
+    chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
+    fsdp: bool = False  # under torchrun: shard the drafter (FSDP2) instead of replicating it (DDP)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -211,53 +215,92 @@ def file_sha(path: str | Path) -> str:
 
 
 def prepare_prompts(target_dir, data: str | Path, max_prompt_len: int, num: int | None, val: int,
-                    seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Encode, left-truncate to max_prompt_len, take the first `num`, split (train, validation)."""
-    rows = cm.read_prompts_jsonl(data)
-    codec = TextCodec.find(target_dir)
-    ids = [p[-max_prompt_len:] for p in cm.encode_prompts(rows, codec) if p]
+                    seed: int, chat: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+    """Read (JSONL, Parquet, a `datasets` directory; chat rows through the target's chat template with
+    --chat), encode, left-truncate to max_prompt_len, take the first `num`, split (train, validation)."""
+    from retrace.train import datasets_io as dio
+
+    rows = dio.read_rows(data)
+    if chat:
+        ids = dio.chat_prompts(rows, target_dir, str(data))
+    else:
+        ids = dio.plain_prompts(rows, TextCodec.find(target_dir), str(data))
+    ids = [p[-max_prompt_len:] for p in ids if p]
     if num is not None:
         ids = ids[:num]
     tr, va = cm.split_validation(len(ids), val, seed)
     return [ids[i] for i in tr], [ids[i] for i in va]
 
 
-def cached_responses(cache_dir: Path, key: dict, make, with_taps: bool):
-    """Responses (and their target taps) are expensive on CPU: keep them beside the run, keyed by what
-    produced them (`responses.json`; taps concatenated in `taps.safetensors`). make(with_taps) ->
-    (responses, taps or None). Returns (responses, taps or None)."""
-    from safetensors.torch import load_file
-
+def cached_responses(cache_dir: Path, key: dict, make, with_taps: bool, n: int, mine: list[int],
+                     d: dist.Dist = dist.Dist()):
+    """Responses (and their target taps) are expensive: keep them beside the run, keyed by what produced
+    them. `responses.json` holds all n responses (written by the main rank); the taps of this rank's
+    sequences `mine` are in its own shard (`taps.safetensors` for one process, `taps-rank{r}-of-{w}` under
+    torchrun). make(indices, with_taps) -> (responses, taps or None) for those indices: each rank generates
+    only its share, then the responses are gathered. Returns (all responses, {index: taps} or None)."""
     k = _sha(key)
-    rj, tf = cache_dir / "responses.json", cache_dir / "taps.safetensors"
-    if rj.is_file():
+    rj = cache_dir / "responses.json"
+
+    def read():
         try:
             obj = json.loads(rj.read_text())
-            if obj.get("key") == k:
-                taps = None
-                if with_taps and tf.is_file():
-                    t = load_file(str(tf))
-                    if t["key"].tolist() == list(bytes.fromhex(k)):
-                        taps = list(torch.split(t["taps"], t["lengths"].tolist()))
-                return obj["responses"], taps  # taps None: the caller recomputes them (cheaper than generating)
-        except (OSError, ValueError, KeyError, RuntimeError):
-            pass
-    res, taps = make(with_taps)
+            return obj["responses"] if obj.get("key") == k and len(obj["responses"]) == n else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    res = d.main_first(read)
+    if res is not None:
+        return res, (load_taps_cache(cache_dir, key, mine, d) if with_taps else None)  # None: recomputed
+    got, taps = make(mine, with_taps)
+    res = [None] * n
+    for part in d.all_gather(list(zip(mine, got, strict=True))):
+        for i, r in part:
+            res[i] = r
     cache_dir.mkdir(parents=True, exist_ok=True)
-    if taps is not None:
-        save_taps_cache(cache_dir, key, taps)
-    atomic_write_text(rj, json.dumps({"key": k, "responses": res}))
-    return res, taps
+    taps_by = dict(zip(mine, taps, strict=True)) if taps is not None else None
+    if taps_by is not None:
+        save_taps_cache(cache_dir, key, taps_by, d)
+    if d.is_main:
+        atomic_write_text(rj, json.dumps({"key": k, "responses": res}))
+    d.barrier()
+    return res, taps_by
 
 
-def save_taps_cache(cache_dir: Path, key: dict, taps: list[torch.Tensor]) -> None:
+def _taps_file(cache_dir: Path, d: dist.Dist) -> Path:
+    return cache_dir / ("taps.safetensors" if not d.active else f"taps-rank{d.rank}-of-{d.world}.safetensors")
+
+
+def _taps_key(key: dict, indices: list[int]) -> list[int]:
+    return list(bytes.fromhex(_sha({"key": _sha(key), "indices": _sha(sorted(indices))})))
+
+
+def load_taps_cache(cache_dir: Path, key: dict, mine: list[int], d: dist.Dist) -> dict | None:
+    """This rank's cached taps {index: [L, k*d]} when its shard file matches (key and indices), else None."""
+    from safetensors.torch import load_file
+
+    tf = _taps_file(cache_dir, d)
+    try:
+        t = load_file(str(tf)) if tf.is_file() else None
+    except (OSError, RuntimeError, ValueError):
+        t = None
+    if t is None or t["key"].tolist() != _taps_key(key, mine):
+        return None
+    return dict(zip(t["indices"].tolist(), torch.split(t["taps"], t["lengths"].tolist()), strict=True))
+
+
+def save_taps_cache(cache_dir: Path, key: dict, taps: dict[int, torch.Tensor], d: dist.Dist = dist.Dist()) -> None:
+    """Write this rank's taps shard (safetensors, fp16), atomically."""
     from safetensors.torch import save_file
 
-    tf = cache_dir / "taps.safetensors"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tf = _taps_file(cache_dir, d)
     tmp = tf.with_suffix(".tmp")
-    save_file({"taps": torch.cat([t.to(torch.float16) for t in taps]),
-               "lengths": torch.tensor([t.shape[0] for t in taps], dtype=torch.long),
-               "key": torch.tensor(list(bytes.fromhex(_sha(key))), dtype=torch.uint8)}, str(tmp))
+    ix = sorted(taps)
+    save_file({"taps": torch.cat([taps[i].to(torch.float16) for i in ix]),
+               "lengths": torch.tensor([taps[i].shape[0] for i in ix], dtype=torch.long),
+               "indices": torch.tensor(ix, dtype=torch.long),
+               "key": torch.tensor(_taps_key(key, ix), dtype=torch.uint8)}, str(tmp))
     tmp.replace(tf)
 
 
@@ -305,7 +348,8 @@ class _Data:
         self.seqs, self.prompt_lens, self.taps = seqs, prompt_lens, taps
 
 
-def _batch_forward(drafter, target, data: _Data, idx, anchors, bw, cfg, device, weights, bf16):
+def _batch_forward(drafter, target, data: _Data, idx, anchors, bw, cfg, device, weights, bf16, model=None):
+    """Loss of the sequences `idx` of `data`; `model`: the DDP/FSDP-wrapped BlockModel for training steps."""
     seqs = [data.seqs[i] for i in idx]
     ids, lengths = pad_tokens(seqs, device)
     anchors, bw = anchors.to(device), bw.to(device)
@@ -325,23 +369,29 @@ def _batch_forward(drafter, target, data: _Data, idx, anchors, bw, cfg, device, 
     block_ids, labels = bl.block_inputs(ids, anchors, cfg.block_size, drafter.config.mask_token_id,
                                         torch.tensor(lengths, device=device))
     with cm.autocast(device, bf16):
-        _, logits = bl.block_forward(drafter, taps, anchors, block_ids)
+        if model is not None:
+            _, logits = model(taps, anchors, block_ids)
+        else:
+            _, logits = bl.block_forward(drafter, taps, anchors, block_ids)
     return bl.block_loss(logits, labels, weights, bw, soft)
 
 
-def evaluate_blocks(drafter, target, data: _Data, anchors, cfg, device, weights, bf16) -> dict:
-    """Validation loss / estimated tau on fixed anchors (no grad)."""
+def evaluate_blocks(drafter, target, data: _Data, anchors, cfg, device, weights, bf16, items=None,
+                    d: dist.Dist = dist.Dist()) -> dict:
+    """Validation loss / estimated tau on fixed anchors (no grad) over the sequences `items` of data (default:
+    all), anchors aligned with items; under torchrun each rank passes its share and the sums are merged."""
     total: dict = {}
+    items = list(range(len(data.seqs))) if items is None else items
     was = drafter.training
     drafter.eval()
     with torch.no_grad():
-        for s in range(0, len(data.seqs), cfg.batch_size):
-            idx = list(range(s, min(len(data.seqs), s + cfg.batch_size)))
-            _, st = _batch_forward(drafter, target, data, idx, anchors[0][idx], anchors[1][idx], cfg, device,
-                                   weights, bf16)
+        for s in range(0, len(items), cfg.batch_size):
+            pos = list(range(s, min(len(items), s + cfg.batch_size)))
+            _, st = _batch_forward(drafter, target, data, [items[p] for p in pos], anchors[0][pos], anchors[1][pos],
+                                   cfg, device, weights, bf16)
             bl.merge_stats(total, st)
     drafter.train(was)
-    return bl.summarize(total)
+    return bl.summarize(d.sum_stats(total))
 
 
 def runtime_tau(target, drafter, prompts, max_new_tokens, mode, device, block_size=None, batch=32,
@@ -364,19 +414,42 @@ def runtime_tau(target, drafter, prompts, max_new_tokens, mode, device, block_si
 
 def train_dflash(target_dir: str | Path, out_dir: str | Path, data: str | Path, cfg: DFlashConfig | None = None,
                  resume: bool = False, progress: bool = True, force: bool = False) -> dict:
-    """Train into out_dir (see retrace.train.outputs for what may be overwritten: force / resume)."""
+    """Train into out_dir (see retrace.train.outputs for what may be overwritten: force / resume). Under
+    torchrun: data parallel (retrace.train.distributed); the global batch is batch_size x grad_accum x world."""
     from retrace.train import outputs
 
     cfg = cfg or DFlashConfig()
-    outputs.prepare_dflash_out(Path(out_dir), force, resume)
-    with outputs.report_interrupt(Path(out_dir)), cm.torch_threads(cfg.threads):
-        return _train_dflash(Path(target_dir), Path(out_dir), Path(data), cfg, resume, progress)
+    with dist.session(cfg.device) as (d, device):
+        d.main_first(lambda: outputs.prepare_dflash_out(Path(out_dir), force, resume))
+        guard = outputs.report_interrupt(Path(out_dir)) if d.is_main else contextlib.nullcontext()
+        with guard, cm.torch_threads(cfg.threads):
+            return _train_dflash(Path(target_dir), Path(out_dir), Path(data), cfg, resume, progress and d.is_main,
+                                 d, device)
 
 
-def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, resume: bool, progress: bool) -> dict:
+def data_streams(usable: list[int], n_train: int, streams: int, where) -> list[list[int]]:
+    """The training sequences of each data stream: stream s takes the prompts i with i % streams == s. There
+    is one stream per micro-batch of a step (world x grad_accum); rank r owns streams r*A .. r*A+A-1, so two
+    processes with grad_accum A see exactly the batches of one process with 2A."""
+    if n_train < streams:
+        raise RetraceError(f"{where}: {n_train} training prompts cannot be split into {streams} data shards (world "
+                           "size x --grad-accum): use more prompts, fewer processes or less accumulation")
+    out = [[i for i in usable if i % streams == s] for s in range(streams)]
+    empty = [s for s, o in enumerate(out) if not o]
+    if empty:
+        raise RetraceError(f"{where}: data shard {empty[0]} of {streams} (world size x --grad-accum) has no usable "
+                           "training sequence (responses shorter than 2 tokens): use more prompts or fewer shards")
+    return out
+
+
+def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, resume: bool, progress: bool,
+                  d: dist.Dist, device: torch.device) -> dict:
+    from retrace.train.datasets_io import data_sha
+
     t_start = time.perf_counter()
-    device = cm.resolve_device(cfg.device)
     bf16 = (device.type == "cuda") if cfg.bf16 is None else cfg.bf16
+    if cfg.batch_size < 1 or cfg.grad_accum < 1:
+        raise RetraceError(f"--batch-size ({cfg.batch_size}) and --grad-accum ({cfg.grad_accum}) must be positive")
     torch.manual_seed(cfg.seed)
     tconf = Qwen3Config.from_dir(target_dir)
     mask_id = find_mask_token_id(target_dir, tconf.vocab_size, cfg.mask_token_id)
@@ -391,18 +464,28 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     gamma = cfg.gamma or bl.default_gamma(cfg.block_size)
     weights = bl.loss_weights(cfg.block_size, gamma, device)
 
-    # data: the target's own continuations
+    # data: the target's own continuations, generated by each rank for its share of the prompts
     t0 = time.perf_counter()
-    train_p, val_p = prepare_prompts(target_dir, data, cfg.max_prompt_len, cfg.num_prompts, cfg.val_prompts, cfg.seed)
-    key = {"target": file_sha(next(iter(sorted(target_dir.glob("*.safetensors"))))), "data": file_sha(data),
+    train_p, val_p = prepare_prompts(target_dir, data, cfg.max_prompt_len, cfg.num_prompts, cfg.val_prompts, cfg.seed,
+                                     cfg.chat)
+    key = {"target": file_sha(next(iter(sorted(target_dir.glob("*.safetensors"))))), "data": data_sha(data),
            "n": len(train_p) + len(val_p), "max_new": cfg.max_new_tokens, "maxp": cfg.max_prompt_len,
            "T": cfg.gen_temperature, "seed": cfg.seed, "val": cfg.val_prompts, "sample_frac": cfg.gen_sample_frac}
+    if cfg.chat:
+        key["chat"] = True
     all_p = train_p + val_p
+    n_tr, A = len(train_p), cfg.grad_accum
+    S = d.world * A
+    if n_tr < S:
+        data_streams([], n_tr, S, data)  # raises: not enough prompts for the shards
+    own_tr = [i for i in range(n_tr) if (i % S) // A == d.rank]
+    own_va = [n_tr + j for j in dist.strided(len(val_p), d)]
+    mine = own_tr + own_va
 
     # taps: kept (captured while generating) when they fit in cache_taps_mb, else recomputed per batch; with
     # soft labels every batch runs the target anyway (for its logits), so none are kept
     kd = dconf.num_taps * dconf.hidden_size
-    est_tokens = sum(len(p) for p in all_p) + len(all_p) * cfg.max_new_tokens
+    est_tokens = sum(len(all_p[i]) for i in mine) + len(mine) * cfg.max_new_tokens
     cache = not cfg.soft_labels and est_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
 
     def gen_group(prompts, temperature, seed, with_taps):
@@ -421,46 +504,51 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
             bar.close()
         return res if with_taps else (res, None)
 
-    def make(with_taps):
+    def make(ix_list, with_taps):
         cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target"
                               + (f" ({cfg.gen_workers} processes)" if cfg.gen_workers > 1 and device.type == "cpu" else "")
+                              + (f" ({d.world} ranks)" if d.active else "")
                               + (f", {cfg.gen_sample_frac:.0%} sampled at T=1" if cfg.gen_sample_frac else ""))
         g = torch.Generator().manual_seed(cfg.seed + 99)
         sampled = (torch.rand(len(all_p), generator=g) < cfg.gen_sample_frac).tolist()
-        outs: list = [None] * len(all_p)
-        taps: list = [None] * len(all_p)
+        outs, taps = {}, {}
         for flag, temp in ((False, cfg.gen_temperature), (True, 1.0)):
-            ix = [i for i in range(len(all_p)) if sampled[i] == flag]
+            ix = [i for i in ix_list if sampled[i] == flag]
             if not ix:
                 continue
-            o, t = gen_group([all_p[i] for i in ix], temp, cfg.seed + (50_000 if flag else 0), with_taps)
+            seed = cfg.seed + (50_000 if flag else 0) + 1_000_003 * d.rank
+            o, t = gen_group([all_p[i] for i in ix], temp, seed, with_taps)
             for j, i in enumerate(ix):
                 outs[i] = o[j]
                 if t is not None:
                     taps[i] = t[j]
-        return outs, (taps if with_taps else None)
+        return [outs[i] for i in ix_list], ([taps[i] for i in ix_list] if with_taps else None)
 
-    responses, taps_all = cached_responses(out / "train_data", key, make, cache)
+    responses, taps_by = cached_responses(out / "train_data", key, make, cache, len(all_p), mine, d)
     gen_s = time.perf_counter() - t0
     seqs = [p + r for p, r in zip(all_p, responses, strict=True)]
     plens = [len(p) for p in all_p]
     keep = [i for i in range(len(seqs)) if len(seqs[i]) - plens[i] >= 2]
-    tr_idx = [i for i in keep if i < len(train_p)]
-    va_idx = [i for i in keep if i >= len(train_p)]
+    tr_idx = [i for i in keep if i < n_tr]
+    va_idx = [i for i in keep if i >= n_tr]
     if not tr_idx:
         raise RetraceError(f"{data}: no usable training sequences (responses shorter than 2 tokens)")
+    streams = data_streams(tr_idx, n_tr, S, data)
+    own_streams = list(range(d.rank * A, (d.rank + 1) * A))
     t0 = time.perf_counter()
-    if cache and taps_all is None:
-        taps_all = compute_taps(target, seqs, cfg.gen_batch, device)
-        save_taps_cache(out / "train_data", key, taps_all)
+    if cache and taps_by is None:
+        taps_by = dict(zip(mine, compute_taps(target, [seqs[i] for i in mine], cfg.gen_batch, device), strict=True))
+        save_taps_cache(out / "train_data", key, taps_by, d)
     taps_s = time.perf_counter() - t0
 
-    def subset(ix):
-        return _Data([seqs[i] for i in ix], [plens[i] for i in ix], [taps_all[i] for i in ix] if cache else None)
-
-    dtrain, dval = subset(tr_idx), subset(va_idx)
+    data_all = _Data(seqs, plens, taps_by if cache else None)  # global indices; this rank's taps only
     vgen = torch.Generator().manual_seed(4242 + cfg.seed)
-    val_anchors = sample_anchors([len(s) for s in dval.seqs], dval.prompt_lens, cfg.blocks_per_seq, vgen)
+    val_anchors = sample_anchors([len(seqs[i]) for i in va_idx], [plens[i] for i in va_idx], cfg.blocks_per_seq, vgen)
+    vpos = [j for j, i in enumerate(va_idx) if (i - n_tr) % d.world == d.rank]
+    own_val = ([va_idx[j] for j in vpos], (val_anchors[0][vpos], val_anchors[1][vpos]))
+
+    def evaluate() -> dict:
+        return evaluate_blocks(drafter, target, data_all, own_val[1], cfg, device, weights, bf16, own_val[0], d)
 
     # model
     drafter = DFlashDrafter(dconf, target).to(device)
@@ -469,68 +557,90 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     named = [(n, p) for n, p in drafter.named_parameters() if not n.startswith("conditioner.")]
     params = dict(named)
     opt = cm.make_adamw(named, cfg.lr, cfg.weight_decay)
-    sampler = SeqSampler(len(dtrain.seqs), cfg.seed)
-    agen = torch.Generator().manual_seed(cfg.seed + 7)
+
+    def stream_seed(s: int) -> int:
+        return cfg.seed + 7919 * s
+
+    samplers = [SeqSampler(len(streams[s]), stream_seed(s)) for s in range(S)]
+    agens = [torch.Generator().manual_seed(stream_seed(s) + 7) for s in range(S)]
     step, history = 0, []
     if resume and cm.has_train_state(out):
         step, info, rng = cm.load_train_state(out, params, opt)
         if info.get("kind") != "dflash" or info.get("config_sha") != _sha(_resume_key(cfg)):
             raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
                                "start without --resume (or with the same flags)")
-        sampler = SeqSampler(len(dtrain.seqs), cfg.seed, info["epoch"], info["cursor"])
-        agen.set_state(rng["anchors"])
+        saved = info.get("streams") or [[info["epoch"], info["cursor"]]]
+        if len(saved) == S:
+            for s in range(S):
+                samplers[s] = SeqSampler(len(streams[s]), stream_seed(s), *saved[s])
+                agens[s].set_state(rng[_anchor_rng(s)])
+        else:  # another world size x grad_accum: same weights, optimizer and schedule; fresh data order
+            epoch = 1 + max(e for e, _ in saved)
+            samplers = [SeqSampler(len(streams[s]), stream_seed(s), epoch) for s in range(S)]
+            agens = [torch.Generator().manual_seed(stream_seed(s) + 7 + 104_729 * step) for s in range(S)]
+            cm.log(progress, TAG, f"the checkpoint had {len(saved)} data shards, this run has {S} (world size "
+                                  f"{d.world} x grad accum {A}): the data order restarts at epoch {epoch}")
         history = info.get("history", [])
         cm.log(progress, TAG, f"resumed at step {step}")
+    model = dist.wrap(bl.BlockModel(drafter), d, device, cfg.fsdp) if d.active else None
 
-    cm.log(progress, TAG, f"{len(dtrain.seqs)} train / {len(dval.seqs)} val sequences, "
+    cm.log(progress, TAG, f"{len(tr_idx)} train / {len(va_idx)} val sequences, "
                           f"{sum(p.numel() for p in params.values()) / 1e6:.2f}M drafter params, B={cfg.block_size}, "
-                          f"taps {dconf.target_layer_ids}, init {cfg.init}, device {device}, bf16 {bf16}")
+                          f"taps {dconf.target_layer_ids}, init {cfg.init}, device {device}, bf16 {bf16}, global batch "
+                          f"{cfg.batch_size} x {A} x {d.world} ranks")
     bar = cm.progress_bar(cfg.steps, "dflash", progress, initial=step)
     ema, last_eval = None, {}
-    if step == 0 and dval.seqs and cfg.eval_every:
-        history.append({"step": 0, **{f"val_{k}": v for k, v in
-                                       evaluate_blocks(drafter, target, dval, val_anchors, cfg, device, weights,
-                                                       bf16).items()}})
+    if step == 0 and va_idx and cfg.eval_every:
+        history.append({"step": 0, **{f"val_{k}": v for k, v in evaluate().items()}})
     t_train = time.perf_counter()
     steps_run = 0
     stop_at = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
 
     def save(step_now):
-        info = {"kind": "dflash", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
-                "epoch": sampler.epoch, "cursor": sampler.cursor, "history": history}
-        cm.save_train_state(out, params, opt, step_now, info, rng={"anchors": agen.get_state()})
-        drafter.save_pretrained(out, save_conditioner=False)
-        drop_stale_conditioner(out)
+        owned = {s: (samplers[s].epoch, samplers[s].cursor, agens[s].get_state()) for s in own_streams}
+        state = {k: v for part in d.all_gather(owned) for k, v in part.items()}
+        if d.is_main:
+            info = {"kind": "dflash", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
+                    "epoch": state[0][0], "cursor": state[0][1], "streams": [list(state[s][:2]) for s in range(S)],
+                    "world_size": d.world, "history": history}
+            cm.save_train_state(out, params, opt, step_now, info,
+                                rng={_anchor_rng(s): state[s][2] for s in range(S)})
+            drafter.save_pretrained(out, save_conditioner=False)
+            drop_stale_conditioner(out)
+        d.barrier()
 
     timed_out = False
     while step < stop_at:
         sched_step = step
         if cfg.max_train_seconds is not None:
-            frac = (time.perf_counter() - t_train) / cfg.max_train_seconds
+            frac = d.broadcast((time.perf_counter() - t_train) / cfg.max_train_seconds)  # one decision for all
             if frac >= 1.0:
                 timed_out = True
                 break
             sched_step = max(step, min(cfg.steps - 1, int(cfg.steps * frac)))  # the schedule follows the budget
         cm.set_lr(opt, cm.lr_at(sched_step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio))
         tot: dict = {}
-        for _ in range(cfg.grad_accum):
-            idx = sampler.take(cfg.batch_size)
-            anchors, bw = sample_anchors([len(dtrain.seqs[i]) for i in idx], [dtrain.prompt_lens[i] for i in idx],
-                                         cfg.blocks_per_seq, agen)
-            loss, st = _batch_forward(drafter, target, dtrain, idx, anchors, bw, cfg, device, weights, bf16)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss at step {step}")
-            (loss / cfg.grad_accum).backward()
+        for a, s in enumerate(own_streams):
+            idx = [streams[s][j] for j in samplers[s].take(cfg.batch_size)]
+            anchors, bw = sample_anchors([len(seqs[i]) for i in idx], [plens[i] for i in idx], cfg.blocks_per_seq,
+                                         agens[s])
+            with dist.no_sync(model, a == A - 1):
+                loss, st = _batch_forward(drafter, target, data_all, idx, anchors, bw, cfg, device, weights, bf16,
+                                          model)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss at step {step}")
+                (loss / A).backward()  # DDP then averages over the ranks: the mean over all micro-batches
             bl.merge_stats(tot, st)
         torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
         steps_run += 1
+        tot = d.sum_stats(tot)
         lv = tot["loss_sum"] / max(tot["weight_sum"], 1e-8)
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            last_eval = evaluate_blocks(drafter, target, dval, val_anchors, cfg, device, weights, bf16) if dval.seqs else {}
+            last_eval = evaluate() if va_idx else {}
             history.append({"step": step, "train_loss": round(ema, 4), **{f"val_{k}": v for k, v in last_eval.items()}})
         if bar is not None:
             bar.update(1)
@@ -543,8 +653,8 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     if bar is not None:
         bar.close()
     train_s = time.perf_counter() - t_train
-    if timed_out and dval.seqs:
-        last_eval = evaluate_blocks(drafter, target, dval, val_anchors, cfg, device, weights, bf16)
+    if timed_out and va_idx:
+        last_eval = evaluate()
         history.append({"step": step, "train_loss": round(ema, 4) if ema is not None else None,
                         **{f"val_{k}": v for k, v in last_eval.items()}})
     save(step)
@@ -554,30 +664,38 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
 
     t0 = time.perf_counter()
     n_tau = min(cfg.eval_tau_prompts, len(val_p))
-    tau = runtime_tau(target, drafter, val_p[:n_tau], cfg.eval_tau_new_tokens, "dflash", device) if n_tau else {}
+    tau = d.main_first(lambda: runtime_tau(target, drafter, val_p[:n_tau], cfg.eval_tau_new_tokens, "dflash", device)
+                       if n_tau else {})
     tau_s = time.perf_counter() - t0
     metrics = {
         "kind": "dflash", "steps": step, "train_loss": round(ema, 4) if ema is not None else None,
         "val": last_eval, "val_runtime_tau": tau, "history": history, "mask_row": mask_info,
         "drafter_params": sum(p.numel() for p in params.values()), "target_layer_ids": list(dconf.target_layer_ids),
         "block_size": cfg.block_size, "num_layers": cfg.num_layers, "init": cfg.init, "gamma": gamma,
-        "timed_out": timed_out,
-        "train_sequences": len(dtrain.seqs), "val_sequences": len(dval.seqs),
+        "timed_out": timed_out, "world_size": d.world, "global_batch": cfg.batch_size * A * d.world,
+        "train_sequences": len(tr_idx), "val_sequences": len(va_idx),
         "seconds": {"responses": round(gen_s, 2), "taps": round(taps_s, 2), "train": round(train_s, 2),
                     "steps_per_s": round(steps_run / max(train_s, 1e-9), 3), "eval_tau": round(tau_s, 2),
                     "total": round(time.perf_counter() - t_start, 2)},
         "config": cfg.to_dict(),
     }
-    atomic_write_text(out / "dflash_train.json", json.dumps(metrics, indent=2) + "\n")
+    if d.is_main:
+        atomic_write_text(out / "dflash_train.json", json.dumps(metrics, indent=2) + "\n")
     cm.log(progress, TAG, f"done: step {step}, train loss {metrics['train_loss']}, val {last_eval}, runtime tau {tau}")
     return metrics
+
+
+def _anchor_rng(stream: int) -> str:
+    return "anchors" if stream == 0 else f"anchors.{stream}"
 
 
 def _resume_key(cfg: DFlashConfig) -> dict:
     d = cfg.to_dict()
     for k in ("steps", "stop_after", "max_train_seconds", "gen_workers", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
-              "cache_taps_mb", "gen_batch"):
+              "cache_taps_mb", "gen_batch", "grad_accum", "fsdp"):  # grad_accum: the world size may change too
         d.pop(k, None)
+    if not d.get("chat"):
+        d.pop("chat", None)  # checkpoints from before --chat existed resume
     return d
 
 
