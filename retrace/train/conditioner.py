@@ -16,6 +16,7 @@ runtime tau of dflash vs retrace on validation prompts (a split of the TRAINING 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -31,6 +32,7 @@ from retrace.models.config import DrafterConfig
 from retrace.models.drafter import DFlashDrafter
 from retrace.train import blocks as bl
 from retrace.train import common as cm
+from retrace.train import distributed as dist
 from retrace.train.dflash import (
     SeqSampler,
     _sha,
@@ -82,6 +84,8 @@ class ConditionerConfig:
     device: str = "auto"
     bf16: bool | None = None
     threads: int | None = None
+    chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
+    fsdp: bool = False  # under torchrun: shard the trained weights (FSDP2) instead of replicating them (DDP)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -155,11 +159,15 @@ def pick_rounds(ex: Examples, idx: list[int], nb: int, gen: torch.Generator | No
     return out
 
 
-def block_losses(drafter, ex: Examples, idx, picks, B, weights, device, bf16, with_baseline: bool):
-    """(loss with the conditioner, stats, baseline stats or None, mean gate on valid slots)."""
+def block_losses(drafter, ex: Examples, idx, picks, B, weights, device, bf16, with_baseline: bool, model=None):
+    """(loss with the conditioner, stats, baseline stats or None, mean gate on valid slots); `model`: the
+    DDP/FSDP-wrapped BlockModel that takes the gradients under torchrun."""
     taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device, drafter.config.mask_token_id)
     with cm.autocast(device, bf16):
-        _, logits = bl.block_forward(drafter, taps, anchors, block_ids, suffix)
+        if model is not None:
+            _, logits = model(taps, anchors, block_ids, suffix)
+        else:
+            _, logits = bl.block_forward(drafter, taps, anchors, block_ids, suffix)
     loss, st = bl.block_loss(logits, labels, weights, bw)
     base = None
     with torch.no_grad():
@@ -269,16 +277,17 @@ def train_conditioner(target_dir: str | Path, drafter_dir: str | Path, data: str
 
     cfg = cfg or ConditionerConfig()
     out = Path(out_dir or drafter_dir)
-    outputs.prepare_conditioner_out(out, Path(drafter_dir), force, resume)
-    with outputs.report_interrupt(out), cm.torch_threads(cfg.threads):
-        return _train(Path(target_dir), Path(drafter_dir), Path(data), Path(out_dir or drafter_dir), cfg, resume,
-                      progress)
+    with dist.session(cfg.device) as (d, device):
+        d.main_first(lambda: outputs.prepare_conditioner_out(out, Path(drafter_dir), force, resume))
+        guard = outputs.report_interrupt(out) if d.is_main else contextlib.nullcontext()
+        with guard, cm.torch_threads(cfg.threads):
+            return _train(Path(target_dir), Path(drafter_dir), Path(data), out, cfg, resume, progress and d.is_main,
+                          d, device)
 
 
 def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: ConditionerConfig, resume: bool,
-           progress: bool) -> dict:
+           progress: bool, d: dist.Dist, device: torch.device) -> dict:
     t_start = time.perf_counter()
-    device = cm.resolve_device(cfg.device)
     bf16 = (device.type == "cuda") if cfg.bf16 is None else cfg.bf16
     torch.manual_seed(cfg.seed)
     dconf = DrafterConfig.from_dir(drafter_dir)
@@ -296,14 +305,21 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     gamma = cfg.gamma or bl.default_gamma(B)
     weights = bl.loss_weights(B, gamma, device)
 
-    if out != drafter_dir:
+    if cfg.rollout_prompts < 1 or cfg.rollout_prompts % d.world:
+        raise RetraceError(f"--rollout-prompts {cfg.rollout_prompts} is not a positive multiple of the world size "
+                           f"{d.world} (each process rolls out an equal share)")
+    if out != drafter_dir and d.is_main:
         out.mkdir(parents=True, exist_ok=True)
         for f in ("config.json", *[p.name for p in drafter_dir.glob("*.safetensors") if p.name != "retrace.safetensors"]):
             shutil.copy2(drafter_dir / f, out / f)
+    d.barrier()
 
-    train_p, val_p = prepare_prompts(target_dir, data, cfg.max_prompt_len, cfg.num_prompts, cfg.val_prompts, cfg.seed)
+    train_p, val_p = prepare_prompts(target_dir, data, cfg.max_prompt_len, cfg.num_prompts, cfg.val_prompts, cfg.seed,
+                                     cfg.chat)
     if not train_p:
         raise RetraceError(f"{data}: no training prompts")
+    if min(cfg.rollout_prompts, len(train_p)) < d.world:
+        raise RetraceError(f"{data}: {len(train_p)} training prompts cannot give each of {d.world} processes a rollout")
     eval_p = val_p[: cfg.eval_prompts]
 
     drafter.requires_grad_(False)
@@ -321,28 +337,37 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     lr_scale = [g["lr"] / cfg.lr for g in opt.param_groups]
     total_steps = cfg.phases * cfg.steps_per_phase
     phase, step, history = 0, 0, []
-    rgen = torch.Generator().manual_seed(cfg.seed + 11)
+    rng_name = "rounds" if d.rank == 0 else f"rounds.{d.rank}"
+    rgen = torch.Generator().manual_seed(cfg.seed + 11 + 7919 * d.rank)
     if resume and cm.has_train_state(out):
         step, info, rng = cm.load_train_state(out, params, opt)
         if info.get("kind") != "conditioner" or info.get("config_sha") != _sha(_resume_key(cfg)):
             raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
                                "start without --resume (or with the same flags)")
         phase, history = info["phase"], info.get("history", [])
-        rgen.set_state(rng["rounds"])
+        if info.get("world_size", 1) == d.world:
+            rgen.set_state(rng[rng_name])
+        else:  # another world size: same weights, optimizer and phase; fresh round picks
+            rgen.manual_seed(cfg.seed + 11 + 7919 * d.rank + 104_729 * step)
         cm.log(progress, TAG, f"resumed at phase {phase} (step {step})")
+    model = dist.wrap(bl.BlockModel(drafter), d, device, cfg.fsdp) if d.active else None
 
     def save(phase_now):
-        info = {"kind": "conditioner", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
-                "phase": phase_now, "history": history}
-        cm.save_train_state(out, params, opt, step, info, rng={"rounds": rgen.get_state()})
-        if cfg.unfreeze_drafter:
-            drafter.save_pretrained(out)
-        else:
-            drafter.conditioner.save(out)
+        states = d.all_gather(rgen.get_state())
+        if d.is_main:
+            info = {"kind": "conditioner", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
+                    "phase": phase_now, "world_size": d.world, "history": history}
+            rng = {("rounds" if r == 0 else f"rounds.{r}"): st for r, st in enumerate(states)}
+            cm.save_train_state(out, params, opt, step, info, rng=rng)
+            if cfg.unfreeze_drafter:
+                drafter.save_pretrained(out)
+            else:
+                drafter.conditioner.save(out)
+        d.barrier()
 
     t0 = time.perf_counter()
-    base_tau = runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "dflash", device, B,
-                           cfg.rollout_batch) if eval_p else {}
+    base_tau = d.main_first(lambda: runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "dflash", device, B,
+                                                cfg.rollout_batch) if eval_p else {})
     eval_s = time.perf_counter() - t0
     cm.log(progress, TAG, f"{len(train_p)} train / {len(val_p)} val prompts; B={B}; dflash runtime tau on val {base_tau}")
     roll_s = train_s = 0.0
@@ -352,7 +377,9 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     t_loop = time.perf_counter()
 
     def out_of_time() -> bool:
-        return cfg.max_train_seconds is not None and time.perf_counter() - t_loop >= cfg.max_train_seconds
+        if cfg.max_train_seconds is None:
+            return False
+        return d.broadcast(time.perf_counter() - t_loop >= cfg.max_train_seconds)  # one decision for all ranks
 
     while phase < stop_at and not (history and out_of_time()):
         # 1. on-policy rollout with the current conditioner
@@ -360,11 +387,17 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         k = cfg.rollout_prompts
         start = (phase * k) % len(train_p)
         prompts = [train_p[(start + i) % len(train_p)] for i in range(min(k, len(train_p)))]
-        ex = collect(target, drafter, prompts, cfg, device, cfg.seed + 7919 * phase, cfg.unfreeze_drafter, progress)
+        prompts = prompts[d.rank :: d.world]  # this rank's share of the rollouts
+        ex = collect(target, drafter, prompts, cfg, device, cfg.seed + 7919 * phase + 1_000_003 * d.rank,
+                     cfg.unfreeze_drafter, progress)
         use = ex.usable()
-        roll_tau = [r.tau for r in ex.rolls if r.tau is not None]
+        roll_tau = [t for part in d.all_gather([r.tau for r in ex.rolls if r.tau is not None]) for t in part]
+        n_use = d.all_gather(len(use))
         roll_s += time.perf_counter() - t0
-        if not use:
+        if any(n_use) and not all(n_use):
+            raise RetraceError(f"phase {phase + 1}: the rollouts of rank {n_use.index(0)} produced no rounds with a "
+                               "rejected suffix (an empty shard): use more --rollout-prompts or fewer processes")
+        if not any(n_use):
             cm.log(progress, TAG, "warning: the rollouts produced no rounds with a rejected suffix (the drafter "
                                   "accepts whole blocks, or the responses are too short): nothing to train on")
             phase += 1
@@ -376,13 +409,13 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         if cfg.diagnose_seqs:
             t0 = time.perf_counter()
             sub = Examples([ex.rolls[i] for i in use[: cfg.diagnose_seqs]], [ex.taps[i] for i in use[: cfg.diagnose_seqs]])
-            diag = diagnose(drafter, sub, B, weights, device, bf16, cfg.batch_size)
+            diag = d.broadcast(diagnose(drafter, sub, B, weights, device, bf16, cfg.batch_size) if d.is_main else None)
             eval_s += time.perf_counter() - t0
             cm.log(progress, TAG, f"phase {phase + 1} fresh rollouts: {diag}")
         # 2. train on them
         t0 = time.perf_counter()
         drafter.train()
-        sampler = SeqSampler(len(use), cfg.seed + phase)
+        sampler = SeqSampler(len(use), cfg.seed + phase + 7919 * d.rank)
         tot, btot, gs, gw = {}, {}, 0.0, 0.0
         for i_step in range(cfg.steps_per_phase):
             if i_step and out_of_time():
@@ -392,7 +425,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
                 g["lr"] = lr * sc
             idx = [use[i] for i in sampler.take(cfg.batch_size)]
             picks = pick_rounds(ex, idx, cfg.blocks_per_seq, rgen)
-            loss, st, base, (g, w) = block_losses(drafter, ex, idx, picks, B, weights, device, bf16, i_step % 4 == 0)
+            loss, st, base, (g, w) = block_losses(drafter, ex, idx, picks, B, weights, device, bf16, i_step % 4 == 0,
+                                                  model)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at step {step}")
             loss.backward()
@@ -413,14 +447,17 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
                     post["val_tau"] = f"{last['retrace_tau']:.2f}"
                 bar.set_postfix(post)
         train_s += time.perf_counter() - t0
+        tot, btot = d.sum_stats(tot), d.sum_stats(btot)
+        gs, gw = d.sum_stats({"gs": gs, "gw": gw}).values()
         phase += 1
         # 3. evaluate: real runtime tau with the new conditioner on validation prompts
         t0 = time.perf_counter()
-        rt = runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "retrace", device, B, cfg.rollout_batch) if eval_p else {}
+        rt = d.main_first(lambda: runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "retrace", device, B,
+                                              cfg.rollout_batch) if eval_p else {})
         eval_s += time.perf_counter() - t0
         last = {"retrace_tau": rt.get("tau_mean"), "retrace_tau_pooled": rt.get("tau_pooled")}
         rec = {"phase": phase, "step": step, "rollout_tau": round(sum(roll_tau) / max(1, len(roll_tau)), 4),
-               "rollout_rounds": sum(len(ex.rolls[i].rounds) for i in use),
+               "rollout_rounds": sum(d.all_gather(sum(len(ex.rolls[i].rounds) for i in use))),
                "diagnose_before": diag, "train": bl.summarize(tot), "train_vs_dflash": _paired(btot), "mean_gate": round(gs / max(gw, 1e-8), 5), "val_runtime": rt}
         history.append(rec)
         cm.log(progress, TAG, f"phase {phase}/{cfg.phases}: rollout tau {rec['rollout_tau']}, train {rec['train']}, "
@@ -439,7 +476,9 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
                     "total": round(time.perf_counter() - t_start, 2)},
         "config": cfg.to_dict(),
     }
-    atomic_write_text(out / "conditioner_train.json", json.dumps(metrics, indent=2) + "\n")
+    metrics["world_size"] = d.world
+    if d.is_main:
+        atomic_write_text(out / "conditioner_train.json", json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 
@@ -454,8 +493,10 @@ def _paired(btot: dict) -> dict:
 
 def _resume_key(cfg: ConditionerConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("phases", "stop_after", "max_train_seconds", "diagnose_seqs", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch"):
+    for k in ("phases", "stop_after", "max_train_seconds", "diagnose_seqs", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch", "fsdp"):
         d.pop(k, None)
+    if not d.get("chat"):
+        d.pop("chat", None)  # checkpoints from before --chat existed resume
     return d
 
 

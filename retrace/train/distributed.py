@@ -130,6 +130,24 @@ def session(device: str | None) -> Iterator[tuple[Dist, torch.device]]:
             torch.distributed.destroy_process_group()
 
 
+def grad_accum_for(batch_size: int, grad_accum: int | None, global_batch: int | None, world: int) -> int:
+    """--grad-accum, or the one that makes --global-batch = batch_size x grad_accum x world (which must divide)."""
+    if batch_size < 1:
+        raise RetraceError(f"--batch-size must be positive, got {batch_size}")
+    if grad_accum is not None and grad_accum < 1:
+        raise RetraceError(f"--grad-accum must be positive, got {grad_accum}")
+    if global_batch is None:
+        return grad_accum or 1
+    per_step = batch_size * world
+    if global_batch < 1 or global_batch % per_step:
+        raise RetraceError(f"--global-batch {global_batch} is not a multiple of --batch-size {batch_size} x world size "
+                           f"{world} = {per_step}")
+    if grad_accum is not None and grad_accum * per_step != global_batch:
+        raise RetraceError(f"--global-batch {global_batch} != --batch-size {batch_size} x --grad-accum {grad_accum} x "
+                           f"world size {world}")
+    return global_batch // per_step
+
+
 def strided(n: int, d: Dist) -> list[int]:
     """This rank's share of range(n): every world-th index from its rank."""
     return list(range(d.rank, n, d.world))
