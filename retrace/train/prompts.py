@@ -298,3 +298,11 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
 def read_jsonl(path: str | Path) -> list[dict]:
     with Path(path).open(encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def write_chat_jsonl(src: str | Path, dst: str | Path) -> Path:
+    """The prompts of a prompt JSONL as one-turn conversations ({"messages": [{"role": "user", ...}]}): the
+    zoo trains through `--chat` (retrace.train.datasets_io) with its tokenizer's minimal chat template."""
+    rows = [json.loads(line) for line in Path(src).read_text(encoding="utf-8").splitlines() if line.strip()]
+    write_jsonl(dst, ({"messages": [{"role": "user", "content": r["prompt"]}]} for r in rows))
+    return Path(dst)

@@ -29,6 +29,15 @@ MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN)
 EOS_ID, PAD_ID, MASK_ID = 0, 1, 2
 
+# The zoo target is a base LM of plain text, so its chat template is minimal: a user (or system) turn is its
+# text, an assistant turn its text and EOS, and the generation prompt is empty. A conversation of one user
+# message renders to exactly that message: the zoo trains through `--chat` on the same tokens as before.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}{{ m['content'] }}" + EOS_TOKEN + "{%- else -%}{{ m['content'] }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, show_progress: bool = False):
     """Train a byte-level BPE ``tokenizers.Tokenizer`` of exactly ``vocab_size`` entries (if the text allows).
@@ -69,6 +78,7 @@ def to_hf(tok):
         model_max_length=1 << 30,
         clean_up_tokenization_spaces=False,
         padding_side="right",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -87,6 +97,17 @@ def save_tokenizer(tok, out_dir: str | Path, model_max_length: int | None = None
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return sorted({Path(f).name for f in files} | {"tokenizer_config.json"})
+
+
+def ensure_chat_template(tok_dir: str | Path) -> bool:
+    """Add the zoo's chat template to a saved tokenizer that predates it; True when the file changed."""
+    cfg_path = Path(tok_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("chat_template") or (Path(tok_dir) / "chat_template.jinja").is_file():
+        return False
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return True
 
 
 def load_tokenizer(path: str | Path):

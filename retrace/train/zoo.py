@@ -4,7 +4,7 @@ Layout of DIR::
 
     DIR/target/       HF Qwen3 dir with tokenizer (mask token <|mask|> in the vocab)   [target stage]
     DIR/prompts/      code.jsonl, docs.jsonl: held-out evaluation prompts                [target stage]
-    DIR/data/         train_prompts.jsonl (drafter/conditioner training; validation is a split of it)
+    DIR/data/         train_prompts.jsonl (drafter/conditioner training; validation is a split of it), train_chat.jsonl (the same as one-turn conversations: what the zoo trains on, through --chat)
     DIR/drafter/      DFlash files (config.json, model.safetensors) + retrace_config.json + retrace.safetensors
                       (+ dflash_train.json, conditioner_train.json: training logs)
     DIR/manifest.json seed, versions, settings, metrics (target ppl, drafter loss, tau dflash/retrace at
@@ -148,6 +148,8 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
     from retrace.models.drafter import load_pair
     from retrace.runtime.tokenizer import TextCodec
     from retrace.train import common as cm
+    from retrace.train import prompts as prompts_mod  # chat-form training prompts (issue 15)
+    from retrace.train import tokenizer as tok_mod
     from retrace.train import zoo_target
     from retrace.train.conditioner import ConditionerConfig, train_conditioner
     from retrace.train.dflash import DFlashConfig, train_dflash
@@ -171,14 +173,17 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
     with cm.torch_threads(threads or 1):  # the stages below are latency-bound: one thread per process
         # 2. DFlash drafter
         t0 = time.perf_counter()
-        data = tmp / "data" / "train_prompts.jsonl"
-        dcfg = DFlashConfig(seed=seed, device="cpu", threads=1, **preset["dflash"])
+        # chat form (issue 15): one-turn conversations through the tokenizer's minimal chat template, which
+        # renders them to the very same tokens as the plain prompts (outputs and zoo key unchanged)
+        tok_mod.ensure_chat_template(tmp / "target")  # a cached target stage may predate the template
+        data = prompts_mod.write_chat_jsonl(tmp / "data" / "train_prompts.jsonl", tmp / "data" / "train_chat.jsonl")
+        dcfg = DFlashConfig(seed=seed, device="cpu", threads=1, chat=True, **preset["dflash"])
         dm = train_dflash(tmp / "target", tmp / "drafter", data, dcfg, progress=progress)
         timings["drafter_s"] = round(time.perf_counter() - t0, 2)
 
         # 3. ReTrace conditioner (on-policy)
         t0 = time.perf_counter()
-        ccfg = ConditionerConfig(seed=seed, device="cpu", threads=1, **preset["conditioner"])
+        ccfg = ConditionerConfig(seed=seed, device="cpu", threads=1, chat=True, **preset["conditioner"])
         cmet = train_conditioner(tmp / "target", tmp / "drafter", data, None, ccfg, progress=progress)
         timings["conditioner_s"] = round(time.perf_counter() - t0, 2)
         for junk in ("train_state", "train_data"):

@@ -1,0 +1,183 @@
+"""Training at user scale: torchrun data parallel (gloo on CPU) equals gradient accumulation, chat data through
+the target's chat template, data files of every supported kind, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import write_target
+from safetensors.torch import load_file
+
+from retrace.errors import RetraceError
+from retrace.train import datasets_io as dio
+from retrace.train.dflash import DFlashConfig, data_streams, prepare_prompts, train_dflash
+from retrace.train.distributed import grad_accum_for
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+OPTS = dict(block_size=8, mask_token_id=127, steps=12, batch_size=4, blocks_per_seq=6, val_prompts=8, max_new_tokens=16,
+            gen_batch=40, eval_every=0, save_every=0, warmup=2, lr=3e-3, device="cpu", threads=1, eval_tau_prompts=0)
+
+
+def _cli_args(**kw) -> list[str]:
+    return [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ddp")
+    target = write_target(d / "target", vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96)
+    r = random.Random(0)
+    with open(d / "p.jsonl", "w") as f:
+        for _ in range(40):
+            f.write(json.dumps({"prompt_ids": [r.randrange(3, 127) for _ in range(r.randint(4, 12))]}) + "\n")
+    return target, d / "p.jsonl"
+
+
+def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo, CPU) for 12 steps == one process with --grad-accum 2 and the same seed,
+    to rounding; a different batch (one process, --grad-accum 1) lands far away. Then the 2-process
+    checkpoint resumes in one process (a change of world size)."""
+    target, prompts = setup
+    cli = {k: v for k, v in OPTS.items() if k not in ("eval_tau_prompts",)}
+    exe = Path(sys.executable).parent / "retrace"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+           str(exe), "train", "dflash", "--target", str(target), "--data", str(prompts), "--out", str(tmp_path / "ddp"),
+           "--quiet", "--json", *_cli_args(**cli)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints
+    assert lines[0]["world_size"] == 2 and lines[0]["global_batch"] == 8
+    assert sorted(p.name for p in (tmp_path / "ddp" / "train_data").iterdir()) == [
+        "responses.json", "taps-rank0-of-2.safetensors", "taps-rank1-of-2.safetensors"]
+
+    train_dflash(target, tmp_path / "accum2", prompts, DFlashConfig(**OPTS, grad_accum=2), progress=False)
+    train_dflash(target, tmp_path / "accum1", prompts, DFlashConfig(**OPTS, grad_accum=1), progress=False)
+    ddp, acc2, acc1 = (load_file(str(tmp_path / k / "model.safetensors")) for k in ("ddp", "accum2", "accum1"))
+    same, other = _max_diff(ddp, acc2), _max_diff(acc2, acc1)
+    print(f"max |w_ddp2 - w_accum2| = {same:.3e}; max |w_accum2 - w_accum1| = {other:.3e}")
+    assert same < 1e-4
+    assert other > 1000 * same
+
+    # resume the 2-process checkpoint in one process (2 data shards -> 1): continues from step 12
+    m = train_dflash(target, tmp_path / "ddp", prompts, DFlashConfig(**{**OPTS, "steps": 14}), resume=True,
+                     progress=False)
+    assert m["steps"] == 14 and m["world_size"] == 1
+    state = json.loads((tmp_path / "ddp" / "train_state" / "state.json").read_text())
+    assert state["step"] == 14 and state["info"]["streams"] and len(state["info"]["streams"]) == 1
+
+
+def _chat_target(root: Path, template: bool = True) -> Path:
+    """A tiny target with a byte-level tokenizer (the zoo's, with or without its chat template)."""
+    from retrace.train import tokenizer as tk
+
+    texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)] + ["hello world, how are you?"] * 5
+    tok = tk.train_bpe(texts, 300)
+    t = write_target(root / "target", vocab=300, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=48)
+    tk.save_tokenizer(tok, t)
+    if not template:
+        cfg = json.loads((t / "tokenizer_config.json").read_text())
+        cfg.pop("chat_template", None)
+        (t / "tokenizer_config.json").write_text(json.dumps(cfg))
+        for f in t.glob("chat_template*"):
+            f.unlink()
+    return t
+
+
+CONVS = [
+    [{"role": "user", "content": "def f1(x):"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+     {"role": "assistant", "content": "world"}, {"role": "user", "content": "how are you?"},
+     {"role": "assistant", "content": "fine (dropped: the target regenerates it)"}],
+] * 6
+
+
+def test_chat_data_from_jsonl_parquet_and_datasets_dirs(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from transformers import AutoTokenizer
+
+    t = _chat_target(tmp_path)
+    rows = [{"messages": c, "id": i} for i, c in enumerate(CONVS)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "chat.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "saved_dict"))
+    tok = AutoTokenizer.from_pretrained(str(t))
+    want_text = ["def f1(x):", "be briefhelloworld<|endoftext|>how are you?"] * 6  # the zoo's minimal template
+    want = [tok(w, add_special_tokens=False)["input_ids"] for w in want_text]
+    for src in ("chat.jsonl", "chat.parquet", "saved", "saved_dict"):
+        tr, va = prepare_prompts(t, tmp_path / src, 256, None, 3, 0, chat=True)
+        assert sorted(tr + va) == sorted(want), src
+    # plain prompts from Parquet too
+    datasets.Dataset.from_list([{"prompt": "hello"}] * 8).to_parquet(str(tmp_path / "plain.parquet"))
+    tr, va = prepare_prompts(t, tmp_path / "plain.parquet", 256, None, 0, 0)
+    assert tr == [tok("hello", add_special_tokens=False)["input_ids"]] * 8
+
+    # end to end: a drafter trained on chat data (the responses regenerated by the target)
+    m = train_dflash(t, tmp_path / "d", tmp_path / "chat.parquet",
+                     DFlashConfig(**{**OPTS, "mask_token_id": 2, "steps": 2, "val_prompts": 2}, chat=True),
+                     progress=False)
+    assert m["steps"] == 2 and m["train_sequences"] >= 8
+
+
+def test_clear_errors(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    t = _chat_target(tmp_path, template=False)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVS))
+    with pytest.raises(RetraceError, match="no chat template"):
+        prepare_prompts(t, tmp_path / "chat.jsonl", 256, None, 0, 0, chat=True)
+    with pytest.raises(RetraceError, match="'prompt' or 'prompt_ids' column.*--chat"):
+        prepare_prompts(t, tmp_path / "chat.jsonl", 256, None, 0, 0)
+    datasets.Dataset.from_list([{"text": "x"}] * 4).to_parquet(str(tmp_path / "t.parquet"))
+    with pytest.raises(RetraceError, match="'messages' column"):
+        dio.chat_prompts(dio.read_rows(tmp_path / "t.parquet"), t)
+    with pytest.raises(RetraceError, match="no user turn"):
+        dio.chat_prompts([{"messages": [{"role": "system", "content": "x"}]}], _chat_target(tmp_path / "b"))
+    with pytest.raises(RetraceError, match="not found"):
+        dio.read_rows(tmp_path / "missing.parquet")
+    # batch / world size that do not divide; shards left empty
+    assert grad_accum_for(4, None, 64, 8) == 2
+    with pytest.raises(RetraceError, match="not a multiple"):
+        grad_accum_for(4, None, 60, 8)
+    with pytest.raises(RetraceError, match="!="):
+        grad_accum_for(4, 3, 64, 8)
+    with pytest.raises(RetraceError, match="cannot be split into 8"):
+        data_streams([0, 1, 2], 3, 8, "d.jsonl")
+    with pytest.raises(RetraceError, match="shard 1 of 2 .* no usable"):
+        data_streams([0, 2], 4, 2, "d.jsonl")
+
+
+def test_cli_errors_have_no_traceback(setup, tmp_path):
+    from click.testing import CliRunner
+
+    from retrace.cli import main
+
+    target, prompts = setup
+    r = CliRunner().invoke(main, ["train", "dflash", "--target", str(target), "--data", str(prompts), "--out",
+                                  str(tmp_path / "o"), "--batch-size", "4", "--global-batch", "6", "--device", "cpu"])
+    assert r.exit_code != 0 and "not a multiple" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["train", "dflash", "--target", str(target), "--data", str(prompts), "--out",
+                                  str(tmp_path / "o"), "--chat", "--device", "cpu", "--mask-token-id", "127"])
+    assert r.exit_code != 0 and "Traceback" not in r.output and "messages" in r.output
