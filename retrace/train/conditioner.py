@@ -85,7 +85,7 @@ class ConditionerConfig:
     bf16: bool | None = None
     threads: int | None = None
     chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
-    fsdp: bool = False  # under torchrun: shard the trained weights (FSDP2) instead of replicating them (DDP)
+    fsdp: bool = False  # --fsdp: not supported yet (retrace.train.distributed.wrap says so)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:

@@ -81,7 +81,7 @@ class DFlashConfig:
     bf16: bool | None = None  # None: on for CUDA, off for CPU
     threads: int | None = None
     chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
-    fsdp: bool = False  # under torchrun: shard the drafter (FSDP2) instead of replicating it (DDP)
+    fsdp: bool = False  # --fsdp: not supported yet (retrace.train.distributed.wrap says so)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
