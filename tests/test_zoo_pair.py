@@ -63,3 +63,30 @@ def test_second_run_is_a_cache_hit(zoo_dir):
     assert "cache hit" in res.output
     assert time.perf_counter() - t0 < 10
     assert (zoo_dir / "manifest.json").read_text() == before
+
+
+def _digests(root):
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.suffix in (".safetensors", ".jsonl") or p.name == "tokenizer.json"}
+
+
+def test_portable_build_is_bit_identical_across_thread_counts(zoo_dir, tmp_path):
+    """The zoo builds under portable numerics (MKL and ATen on their AVX2 paths, fp32, eager, deterministic
+    algorithms): a second build with another thread count gives the same bytes and the same metrics."""
+    man = json.loads((zoo_dir / "manifest.json").read_text())
+    assert man["numerics"]["mode"] == "portable" and man["numerics"]["cpu_capability"] == "AVX2"
+    assert man["numerics"]["deterministic_algorithms"] is True
+    again = tmp_path / "again"
+    res = CliRunner().invoke(main, ["zoo", "tiny", "--out", str(again), "--size", "test", "--seed", "0", "--quiet",
+                                    "--threads", "2"])
+    assert res.exit_code == 0, res.output
+    assert _digests(again) == _digests(zoo_dir) and len(_digests(zoo_dir)) >= 6
+    assert _untimed(json.loads((again / "manifest.json").read_text())["metrics"]) == _untimed(man["metrics"])
+
+
+def _untimed(d):
+    if isinstance(d, dict):
+        return {k: _untimed(v) for k, v in d.items() if k not in ("wall_s", "seconds")}
+    return [_untimed(v) for v in d] if isinstance(d, list) else d

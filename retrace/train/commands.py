@@ -199,11 +199,25 @@ def zoo() -> None:
 @click.option("--force", is_flag=True, help="rebuild even if the manifest matches, or replace a zoo of another "
               "size/seed (never a directory that is not a zoo)")
 @click.option("--threads", type=int, default=None)
+@click.option("--numerics", type=click.Choice(["portable", "native"]), default="portable", show_default=True,
+              help="portable: the same zoo bit for bit on any AVX2 x86-64 CPU (MKL and ATen pinned to their AVX2 "
+                   "paths; the command re-runs itself with MKL_CBWR/ATEN_CPU_CAPABILITY set); native: this CPU's "
+                   "fastest kernels (results differ between CPU models)")
 @click.option("--quiet", is_flag=True)
 @cli_errors
-def zoo_tiny(out_dir, size, seed, force, threads, quiet) -> None:
+def zoo_tiny(out_dir, size, seed, force, threads, numerics, quiet) -> None:
     """Build a tiny target + DFlash drafter + ReTrace conditioner offline, deterministically (cached)."""
+    from retrace.train import numerics as numerics_mod
     from retrace.train.zoo import build_zoo
+
+    if numerics == "portable" and numerics_mod.mode() != "portable":  # MKL/ATen read it at start: a child
+        args = ["zoo", "tiny", "--out", out_dir, "--size", size, "--seed", str(seed), "--numerics", "portable"]
+        args += (["--force"] if force else []) + (["--threads", str(threads)] if threads else [])
+        code, out = numerics_mod.run_portable(args + (["--quiet"] if quiet else []))
+        click.echo(out, nl=False)
+        if code:
+            raise SystemExit(code)
+        return
 
     man = build_zoo(out_dir, size=size, seed=seed, force=force, progress=not quiet, threads=threads)
     m = man["metrics"]

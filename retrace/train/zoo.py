@@ -30,7 +30,7 @@ from pathlib import Path
 from retrace.errors import RetraceError
 from retrace.output_dir import OutputDirError, check_output, staged_output
 
-ZOO_VERSION = 1
+ZOO_VERSION = 2  # 2: fp32 eager training under portable numerics (retrace.train.numerics)
 MANIFEST = "manifest.json"
 KIND = "zoo"  # the owner-marker kind (retrace.output_dir)
 _ZOO_ENTRIES = {"target", "drafter", "prompts", "data", "draft-ar", MANIFEST}  # draft-ar: `retrace zoo draft-ar`
@@ -57,10 +57,10 @@ PRESETS: dict[str, dict] = {
         "dflash": dict(block_size=16, num_layers=1, init="copy", steps=1000, batch_size=8, blocks_per_seq=16,
                        num_prompts=1536, val_prompts=64, max_new_tokens=96, gen_batch=64, gen_workers=2,
                        eval_every=250, save_every=0, eval_tau_prompts=32, eval_tau_new_tokens=64, warmup=60,
-                       lr=3e-3, bf16=True),
+                       lr=3e-3),
         "conditioner": dict(phases=1, steps_per_phase=120, rollout_prompts=192, rollout_batch=64, max_new_tokens=96,
                             num_prompts=1536, val_prompts=64, eval_prompts=32, eval_new_tokens=64, blocks_per_seq=16,
-                            batch_size=8, warmup=20, diagnose_seqs=32, bf16=True),
+                            batch_size=8, warmup=20, diagnose_seqs=32),
         "eval": dict(n_prompts=128, max_new_tokens=96, temperatures=[0.0, 1.0], max_batch=64, lossless_prompts=8,
                      workers=2),
     },
@@ -79,10 +79,11 @@ def _versions() -> dict:
 
 
 def zoo_key(size: str, seed: int, preset: dict) -> dict:
-    from retrace.train import target_lm, zoo_target
+    from retrace.train import numerics, target_lm, zoo_target
 
     return {"zoo_version": ZOO_VERSION, "size": size, "seed": int(seed), "preset": preset,
-            "target_stage": zoo_target.stage_key(size, seed, target_lm.get_preset(size)), "versions": _versions()}
+            "target_stage": zoo_target.stage_key(size, seed, target_lm.get_preset(size)), "versions": _versions(),
+            "numerics": numerics.mode()}
 
 
 REQUIRED = ["target/config.json", "target/model.safetensors", "target/tokenizer.json", "drafter/config.json",
@@ -137,7 +138,9 @@ def build_zoo(out: str | Path, size: str = "small", seed: int = 0, force: bool =
                                  f"--force to replace it with size {size!r}, seed {seed} (or choose another --out)")
         _log(progress, f"{out} holds a zoo of size {size}, seed {seed} built with other settings or library "
                        "versions: rebuilding it")
-    with staged_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") as tmp:
+    from retrace.train import numerics
+
+    with staged_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") as tmp, numerics.deterministic():
         man = _build(out, tmp, size, seed, force, progress, threads)
     return dict(man, cached=False)
 
@@ -148,9 +151,9 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
     from retrace.models.drafter import load_pair
     from retrace.runtime.tokenizer import TextCodec
     from retrace.train import common as cm
+    from retrace.train import numerics, zoo_target
     from retrace.train import prompts as prompts_mod  # chat-form training prompts (issue 15)
     from retrace.train import tokenizer as tok_mod
-    from retrace.train import zoo_target
     from retrace.train.conditioner import ConditionerConfig, train_conditioner
     from retrace.train.dflash import DFlashConfig, train_dflash
     from retrace.train.evaluate import tau_worker
@@ -246,7 +249,7 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
     timings["conditioner_detail"] = cmet.get("seconds")
     man = {
         "key": key, "size": size, "seed": int(seed), "versions": key["versions"], "metrics": metrics,
-        "timings": timings, "sample": sample, "created_unix": int(time.time()),
+        "timings": timings, "sample": sample, "created_unix": int(time.time()), "numerics": numerics.describe(),
         "layout": {"target": "target/", "drafter": "drafter/", "prompts": "prompts/", "data": "data/"},
         "eval_prompts": {"files": ["prompts/code.jsonl", "prompts/docs.jsonl"], "n": len(prompts),
                          "interleaved": True},

@@ -19,7 +19,7 @@ few seconds; ``metrics["prompts_rebuilt"] is True``).  Otherwise everything is r
 a temporary directory beside the outputs and is moved into place at the end (``target/`` last, so a
 half-finished build never looks valid); a build replaces ``target/``, ``prompts/`` and ``data/`` wholesale.
 
-Sizing of the ``small`` target (2 CPU cores, bf16 autocast): hidden 256, 4 layers, SwiGLU 768, 4 query
+Sizing of the ``small`` target (2 CPU cores, fp32): hidden 256, 4 layers, SwiGLU 768, 4 query
 heads x head_dim 64 with 2 KV heads (GQA 2:1), untied embeddings, vocab 2048, trained at context 512 for
 950 steps of 8 x 512 tokens (~1.6 epochs of the stdlib train split), torch.compile'd. Measured on an idle
 2-core machine: eager, 1100 steps took 589 s (held-out ppl 26.3) and made the whole `zoo tiny --size small`
@@ -40,8 +40,8 @@ from pathlib import Path
 
 from ..staging import remove_orphaned
 from . import corpus as corpus_mod
+from . import numerics, target_lm
 from . import prompts as prompts_mod
-from . import target_lm
 from . import tokenizer as tok_mod
 
 TARGET_VERSION = 1  # bump when the tokenizer/weights change for the same preset and seed
@@ -77,6 +77,7 @@ def train_key(size: str, seed: int, preset: target_lm.TargetPreset) -> dict:
         "preset": preset.to_dict(),
         "stdlib": str(corpus_mod.stdlib_dir()),
         "versions": _versions(),
+        "numerics": numerics.mode(),
     }
 
 
