@@ -59,9 +59,10 @@ bench-scale: $(STAMP)
 SERVE_BUNDLE ?= $(BUNDLE)
 SERVE_CONVENTION ?= tensorrtllm
 GENAI_PERF ?= /tmp/bench-venv/bin/genai-perf
+SERVE_PROMPTS ?=
 serve-bench-triton: $(STAMP)
 	PYTHON=$(BIN)/python scripts/triton_env.sh
-	$(BIN)/python -m benchmarks.serve_bench_triton --bundle $(SERVE_BUNDLE) --convention $(SERVE_CONVENTION) --genai-perf $(GENAI_PERF) --concurrency 1,4,16 --out bench-out/serve-triton.md
+	$(BIN)/python -m benchmarks.serve_bench_triton --bundle $(SERVE_BUNDLE) --convention $(SERVE_CONVENTION) --genai-perf $(GENAI_PERF) --concurrency 1,4,16 $(if $(SERVE_PROMPTS),--prompts $(SERVE_PROMPTS)) --out bench-out/serve-triton.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

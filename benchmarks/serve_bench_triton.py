@@ -51,12 +51,20 @@ def client_env(genai_perf: str) -> dict[str, str]:
     return env
 
 
+def genai_perf_inputs(prompts: str, out: Path) -> Path:
+    """retrace's prompts JSONL ({"prompt": ...} per line) as genai-perf's --input-file ({"text": ...})."""
+    lines = [json.loads(x) for x in Path(prompts).read_text().splitlines() if x.strip()]
+    out.write_text("".join(json.dumps({"text": x["prompt"]}) + "\n" for x in lines))
+    return out
+
+
 def genai_perf_command(args, url: str, concurrency: int, artifacts: Path) -> list[str]:
     requests = max(args.min_requests, args.requests_per_client * concurrency)
+    inputs = (["--input-file", str(args.input_file)] if args.input_file else
+              ["--synthetic-input-tokens-mean", str(args.isl), "--synthetic-input-tokens-stddev", "0"])
     return [args.genai_perf, "profile", "-m", "retrace", "--endpoint-type", "kserve", "--backend", args.convention,
             "--streaming", "-u", url, "--concurrency", str(concurrency), "--request-count", str(requests),
-            "--warmup-request-count", str(concurrency),
-            "--synthetic-input-tokens-mean", str(args.isl), "--synthetic-input-tokens-stddev", "0",
+            "--warmup-request-count", str(concurrency), *inputs,
             "--output-tokens-mean", str(args.osl), "--output-tokens-stddev", "0", "--output-tokens-mean-deterministic",
             "--tokenizer", args.tokenizer, "--random-seed", "0", "--artifact-dir", str(artifacts)]
 
@@ -76,19 +84,23 @@ def stat(export: dict, key: str, field: str = "avg") -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", required=True, help="engine bundle (retrace-export build)")
-    ap.add_argument("--tokenizer", default=None, help="for genai-perf's token counts (default: the bundle)")
+    ap.add_argument("--tokenizer", default=None, help="for genai-perf's token counts (default: the bundle's)")
     ap.add_argument("--genai-perf", default=os.environ.get("GENAI_PERF", "/tmp/bench-venv/bin/genai-perf"))
     ap.add_argument("--convention", choices=["tensorrtllm", "vllm"], default="tensorrtllm")
     ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--isl", type=int, default=32, help="input tokens per request")
+    ap.add_argument("--isl", type=int, default=32, help="input tokens per request (synthetic prompts)")
+    ap.add_argument("--prompts", default=None, help="prompts JSONL ({'prompt': ...} per line, e.g. a zoo's "
+                    "prompts/code.jsonl) instead of genai-perf's synthetic text")
     ap.add_argument("--osl", type=int, default=32, help="output tokens per request (fixed: min = max)")
     ap.add_argument("--requests-per-client", type=int, default=8)
     ap.add_argument("--min-requests", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=16, help="requests the model batches (<= the bundle's)")
+    ap.add_argument("--verify-policy", choices=["adaptive", "fixed"], default="adaptive")
     ap.add_argument("--work", default=None, help="directory for the repository, logs and artifacts")
     ap.add_argument("--out", default="bench-out/serve-triton.md")
     args = ap.parse_args(argv)
-    args.tokenizer = args.tokenizer or args.bundle
+    tok_dir = Path(args.bundle) / "tokenizer"  # where retrace-export build puts the target's tokenizer
+    args.tokenizer = args.tokenizer or str(tok_dir if tok_dir.is_dir() else args.bundle)
     if not Path(args.genai_perf).is_file():
         raise SystemExit(f"no genai-perf at {args.genai_perf}; see this script's docstring (or set GENAI_PERF)")
 
@@ -97,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     from retrace.export.triton_server import TritonServer
 
     work = Path(args.work or tempfile.mkdtemp(prefix="serve-bench-triton-"))
+    work.mkdir(parents=True, exist_ok=True)
+    args.input_file = genai_perf_inputs(args.prompts, work / "inputs.jsonl") if args.prompts else None
     env = ensure_triton_env()
-    repo = write_repository(args.bundle, work / "repo", max_batch=args.max_batch, env_path=env.model_env, force=True)
+    repo = write_repository(args.bundle, work / "repo", max_batch=args.max_batch, env_path=env.model_env, force=True,
+                            verify_policy=args.verify_policy)
     rows = []
     with TritonServer(repo, env, log_path=work / "server.log", models=["retrace"]) as srv:
         for c in [int(x) for x in args.concurrency.split(",")]:
@@ -120,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                          "itl_ms": stat(ex, "inter_token_latency"), "latency_ms": stat(ex, "request_latency"),
                          "output_len": stat(ex, "output_sequence_length"),
                          "tokens_per_round": tokens / rounds if rounds else 0.0, "wall_s": time.monotonic() - t0})
-    lines = [f"genai-perf 0.0.16, `--endpoint-type kserve --backend {args.convention} --streaming`, {args.isl} in / "
-             f"{args.osl} out tokens (deterministic), bundle `{args.bundle}`, model max_batch {args.max_batch}", "",
+    source = f"prompts `{args.prompts}`" if args.prompts else f"{args.isl} synthetic input tokens"
+    lines = [f"genai-perf 0.0.16, `--endpoint-type kserve --backend {args.convention} --streaming`, {source}, "
+             f"{args.osl} output tokens (deterministic), bundle `{args.bundle}`, model max_batch {args.max_batch}, "
+             f"verify policy {args.verify_policy}", "",
              "| concurrency | requests/s | output tok/s | TTFT avg (p99) ms | ITL ms | request latency ms | "
              "output len | tokens/round (metrics) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
