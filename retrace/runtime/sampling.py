@@ -76,9 +76,9 @@ def mask_early_eos(logits: torch.Tensor, produced: list[int], min_tokens: list[i
                    eos_ids: set[int] | tuple[int, ...]) -> torch.Tensor:
     """logits [N, T, V]; position j of row i scores new token produced[i] + j. EOS logits become -inf where
     that token would come before min_tokens[i] (a copy; the input itself when nothing is masked)."""
+    if not eos_ids or all(m <= n for m, n in zip(min_tokens, produced, strict=True)):
+        return logits  # the common case, checked without tensors: every round calls this
     need = torch.tensor(min_tokens) - torch.tensor(produced)  # tokens row i still needs before EOS may come
-    if not eos_ids or int(need.max()) <= 0:
-        return logits
     early = torch.arange(logits.shape[1]).unsqueeze(0) < need.unsqueeze(1)  # [N, T]
     eos = torch.tensor(sorted(eos_ids))
     out = logits.clone()
