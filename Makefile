@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench bench-scale clean triton-env gpu-carry
+.PHONY: venv demo test lint bench bench-scale clean triton-env gpu-carry serve-bench-triton
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,16 @@ bench-scale: $(STAMP)
 	$(BIN)/retrace zoo inflate --from $(ZOO) --out $(SCALE_ZOO) --shape qwen3-0.6b --quiet
 	test -f $(SCALE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --out $(SCALE_BUNDLE) --max-batch 4 --max-seq-len 512
 	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 4 --max-new-tokens 48 --threads 2 --peer-env defaults --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
+
+# Load-test the Triton model with genai-perf (kserve, gRPC streaming) at concurrency 1, 4, 16: a benchmark,
+# not in CI. genai-perf in its own venv (GENAI_PERF, see benchmarks/serve_bench_triton.py for the install).
+SERVE_BUNDLE ?= $(BUNDLE)
+SERVE_CONVENTION ?= tensorrtllm
+GENAI_PERF ?= /tmp/bench-venv/bin/genai-perf
+SERVE_PROMPTS ?=
+serve-bench-triton: $(STAMP)
+	PYTHON=$(BIN)/python scripts/triton_env.sh
+	$(BIN)/python -m benchmarks.serve_bench_triton --bundle $(SERVE_BUNDLE) --convention $(SERVE_CONVENTION) --genai-perf $(GENAI_PERF) --concurrency 1,4,16 $(if $(SERVE_PROMPTS),--prompts $(SERVE_PROMPTS)) --out bench-out/serve-triton.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -123,6 +123,9 @@ def sampling_options(fn):
         click.option("--top-k", type=int, default=0, show_default=True),
         click.option("--seed", type=int, default=None),
         click.option("--stop", multiple=True, help="stop string (repeatable)"),
+        click.option("--min-tokens", type=int, default=0, show_default=True,
+                     help="no EOS before this many new tokens (transformers' min_new_tokens)"),
+        click.option("--ignore-eos", is_flag=True, help="EOS does not stop generation (runs to --max-new-tokens)"),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -140,7 +143,8 @@ def sampling_options(fn):
 @cli_errors
 def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
              verify_policy, prompt, prompt_ids,
-             prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, as_json) -> None:
+             prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, min_tokens, ignore_eos,
+             as_json) -> None:
     """Generate with speculative decoding (lossless: greedy output equals the target's own)."""
     import json
 
@@ -151,7 +155,7 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
     check_finite(temperature, "--temperature", low=0.0)
     check_seed(seed)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed, stop=tuple(stop))
+                            seed=seed, stop=tuple(stop), min_tokens=min_tokens, ignore_eos=ignore_eos)
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)
     rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
                        verify_bundle=not no_verify_bundle, verify_policy=verify_policy)

@@ -93,8 +93,79 @@ def test_malformed_requests_name_the_problem(inputs, params, needle):
 
 
 def test_inputs_table_matches_the_brief():
-    assert INPUTS["text_input"] == ("TYPE_STRING", True) and INPUTS["max_tokens"] == ("TYPE_INT32", False)
-    assert {k for k, (_, opt) in INPUTS.items() if not opt} == {"max_tokens"}
+    # every input optional for Triton: the vLLM convention has no max_tokens tensor (parse_request checks)
+    assert INPUTS["text_input"] == ("TYPE_STRING", True) and INPUTS["max_tokens"] == ("TYPE_INT32", True)
+    assert all(opt for _, opt in INPUTS.values())
+    trtllm = {"text_input": "TYPE_STRING", "max_tokens": "TYPE_INT32", "stream": "TYPE_BOOL",
+              "exclude_input_in_output": "TYPE_BOOL", "end_id": "TYPE_INT32", "pad_id": "TYPE_INT32",
+              "min_length": "TYPE_INT32", "stop_words": "TYPE_STRING", "bad_words": "TYPE_STRING",
+              "beam_width": "TYPE_INT32"}
+    vllm = {"text_input": "TYPE_STRING", "stream": "TYPE_BOOL", "exclude_input_in_output": "TYPE_BOOL",
+            "sampling_parameters": "TYPE_STRING"}
+    assert all(INPUTS[k][0] == t for k, t in {**trtllm, **vllm}.items())
+
+
+def B(*xs):
+    return np.array(xs, dtype=bool)
+
+
+def I(*xs):  # noqa: E743
+    return np.array(xs, np.int32)
+
+
+def test_trtllm_convention_as_genai_perf_sends_it():
+    # genai-perf --backend tensorrtllm --output-tokens-mean 12 --output-tokens-mean-deterministic --streaming
+    spec = parse_request({"text_input": S("abc"), "max_tokens": I(12), "exclude_input_in_output": B(True),
+                          "stream": B(True), "min_length": I(12)}, None, LIMITS)
+    assert (spec.max_tokens, spec.min_tokens, spec.stream, spec.exclude_input) == (12, 12, True, True)
+    assert spec.sampling_kwargs()["min_tokens"] == 12 and "ignore_eos" not in spec.sampling_kwargs()
+    lim = Limits(max_tokens=100, eos_ids=(7,))
+    spec = parse_request(base(end_id=I(7), pad_id=I(0), beam_width=I(1), stop_words=S("END", ""),
+                              bad_words=S(""), exclude_input_in_output=B(False)), None, lim)
+    assert spec.stop == ["END"] and spec.exclude_input is False
+    assert parse_request(base(ignore_eos=B(True), min_tokens=I(3)), None, LIMITS).sampling_kwargs()["ignore_eos"]
+
+
+def test_vllm_convention_sampling_parameters():
+    sp = json.dumps({"max_tokens": "12", "min_tokens": "12"})  # genai-perf: numbers as strings
+    spec = parse_request({"text_input": S("abc"), "sampling_parameters": S(sp), "stream": B(True),
+                          "exclude_input_in_output": B(True)}, None, LIMITS)
+    assert (spec.max_tokens, spec.min_tokens, spec.stream) == (12, 12, True)
+    sp = json.dumps({"max_tokens": 9, "ignore_eos": True, "temperature": 0.5, "top_p": 0.9, "top_k": -1, "seed": 4,
+                     "stop": "\n\n", "min_tokens": 2})
+    spec = parse_request({"text_input": S("abc"), "sampling_parameters": S(sp)}, None, LIMITS)
+    assert spec.sampling_kwargs() == {"max_new_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 4,
+                                      "stop": ["\n\n"], "ignore_eos": True, "min_tokens": 2}
+    spec = parse_request({"text_input": S("abc"), "sampling_parameters": S("{}")}, None, LIMITS)
+    assert spec.max_tokens == 16  # vLLM's default
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"beam_width": I(4)}, "beam_width 1 only"),
+    ({"end_id": I(3)}, "'end_id' is 3, but this model ends at its own EOS token(s) [7]"),
+    ({"bad_words": S("foo")}, "'bad_words' is not supported"),
+    ({"pad_id": I(-1)}, "'pad_id' must be >= 0"),
+    ({"min_length": I(6)}, "input 'min_length' must be in [0, max_tokens=5]"),
+    ({"min_tokens": I(-1)}, "input 'min_tokens' must be in [0, max_tokens=5]"),
+    ({"ignore_eos": I(1)}, "'ignore_eos' has data type int32, expected BOOL"),
+    ({"min_tokens": I(1), "min_length": I(1)}, "'min_tokens' is given twice (input 'min_tokens' and input 'min_length')"),
+    ({"stop": S("a"), "stop_words": S("b")}, "'stop' is given twice"),
+    ({"sampling_parameters": S('{"max_tokens": 3}')}, "'max_tokens' is given twice (input 'max_tokens' and "
+                                                     "sampling_parameters 'max_tokens')"),
+    ({"sampling_parameters": S('{"max_tokns": 3}')}, "unknown key(s) 'max_tokns' in 'sampling_parameters'"),
+    ({"sampling_parameters": S("{bad")}, "'sampling_parameters' is not valid JSON"),
+    ({"sampling_parameters": S("[1]")}, "'sampling_parameters' must be a JSON object"),
+    ({"sampling_parameters": S('{"top_p": "x"}')}, "sampling_parameters 'top_p' must be a number"),
+    ({"sampling_parameters": S('{"seed": 1.5}')}, "sampling_parameters 'seed' must be an integer"),
+    ({"sampling_parameters": S('{"ignore_eos": "maybe"}')}, "sampling_parameters 'ignore_eos' must be true or false"),
+    ({"sampling_parameters": S('{"temperature": -1}')}, "sampling_parameters 'temperature' must be >= 0"),
+    ({"sampling_parameters": S('{"stop": [1]}')}, "sampling_parameters 'stop' must be a string or a list"),
+    ({"exclude_input_in_output": S("yes")}, "'exclude_input_in_output' has data type object, expected BOOL"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_conventions_refuse_with_a_named_error(extra, needle):
+    with pytest.raises(RequestError) as ei:
+        parse_request(base(**extra), None, Limits(max_tokens=100, eos_ids=(7,)))
+    assert needle in str(ei.value)
 
 
 # ------------------------------------------------------------------------------------------ repository
@@ -110,8 +181,12 @@ def test_write_repository_layout(tmp_path):
                    'key: "RETRACE_BUNDLE" value: { string_value: "bundle" }',
                    'key: "RETRACE_MAX_BATCH" value: { string_value: "4" }',
                    'key: "RETRACE_VERIFY_POLICY" value: { string_value: "adaptive" }',
-                   '{ name: "max_tokens" data_type: TYPE_INT32 dims: [ -1 ] }',
-                   '{ name: "text_input" data_type: TYPE_STRING dims: [ -1 ] optional: true }',
+                   "max_batch_size: 0",
+                   '{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true }',
+                   '{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] optional: true }',
+                   '{ name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true }',
+                   '{ name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] optional: true }',
+                   '{ name: "stop_words" data_type: TYPE_STRING dims: [ -1 ] optional: true }',
                    '{ name: "stats" data_type: TYPE_STRING dims: [ -1 ] }'):
         assert needle in cfg, needle
     assert "RETRACE_RUNTIME_FACTORY" not in cfg

@@ -51,7 +51,7 @@ def test_generate_text_ids_and_stats(standin_server):
     assert out["text_output"] == "jklm"
     st = stats_of(out)
     assert st["params"] == {"max_new_tokens": 4, "temperature": 0.5, "top_p": pytest.approx(0.9), "top_k": 7,
-                            "seed": 11, "stop": [], "ignore_eos": False}
+                            "seed": 11, "stop": [], "ignore_eos": False, "min_tokens": 0}
     assert st["mode"] == "dflash"
 
     status, out = generate(standin_server, {"text_input": "a", "max_tokens": 50, "stop": ["gh"]})

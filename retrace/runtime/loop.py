@@ -27,6 +27,7 @@ from retrace.runtime.sampling import (
     SamplingParams,
     argmax,
     greedy_accept,
+    mask_early_eos,
     processed_probs,
     sample_drafts,
     speculative_accept,
@@ -177,6 +178,7 @@ class Scheduler:
         positions = torch.arange(T).expand(len(reqs), T)
         slots = torch.tensor([r.slot for r in reqs])
         logits, taps = self.backend.target(slots, ids, positions, (lens - 1).unsqueeze(1))
+        logits = self._min_length(logits, reqs)
         self.timing.prefill += time.perf_counter() - t0
         for i, r in enumerate(reqs):
             first = self._sample_one(logits[i, 0], r)
@@ -219,6 +221,7 @@ class Scheduler:
         logits, taps = self.backend.target(slots, block[:, : K + 1], positions, torch.arange(K + 1).expand(N, K + 1))
         t_verify = time.perf_counter() - t0
         self.timing.verify += t_verify
+        logits = self._min_length(logits, reqs)
 
         # 3. accept
         accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
@@ -297,6 +300,11 @@ class Scheduler:
                                           r.generator)
                 accepted[i], bonus[i] = a, b
         return accepted, bonus, target_argmax
+
+    def _min_length(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """No EOS before a request's min_tokens: masked in the target's logits [N, T, V], before acceptance."""
+        return mask_early_eos(logits, [len(r.output_ids) for r in reqs], [r.params.min_tokens for r in reqs],
+                              self.eos_ids)
 
     def _sample_one(self, logits: torch.Tensor, r: Request) -> int:
         if r.params.greedy:

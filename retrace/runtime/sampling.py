@@ -1,5 +1,9 @@
 """Sampling parameters, logit processing and lossless acceptance (greedy and speculative sampling).
 
+A minimum length (``min_tokens``) masks the EOS logits of every position that would produce a token
+before the minimum, in the target's logits (prefill and verify) before acceptance, exactly as
+transformers' ``min_new_tokens`` does, so the output stays the target's own (EOS-suppressed) decode.
+
 Greedy (T=0): accept the longest prefix with d_k == argmax p_{k-1}; the bonus is argmax p_a.
 Sampling (T>0): drafts are sampled from the drafter's processed distribution q_k; d_k is accepted with
 probability min(1, p(d_k)/q(d_k)); at the first rejection the bonus is sampled from norm(max(0, p - q)),
@@ -24,7 +28,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # EOS is a token like any other: generation runs on to max_new_tokens
+    min_tokens: int = 0  # EOS cannot be generated before this many new tokens (transformers' min_new_tokens)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +46,9 @@ class SamplingParams:
             raise RetraceError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RetraceError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise RetraceError(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                               f"got {self.min_tokens!r}")
         if any(not s for s in self.stop):
             raise RetraceError("stop strings must be non-empty")
 
@@ -62,6 +70,20 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def mask_early_eos(logits: torch.Tensor, produced: list[int], min_tokens: list[int],
+                   eos_ids: set[int] | tuple[int, ...]) -> torch.Tensor:
+    """logits [N, T, V]; position j of row i scores new token produced[i] + j. EOS logits become -inf where
+    that token would come before min_tokens[i] (a copy; the input itself when nothing is masked)."""
+    if not eos_ids or all(m <= n for m, n in zip(min_tokens, produced, strict=True)):
+        return logits  # the common case, checked without tensors: every round calls this
+    need = torch.tensor(min_tokens) - torch.tensor(produced)  # tokens row i still needs before EOS may come
+    early = torch.arange(logits.shape[1]).unsqueeze(0) < need.unsqueeze(1)  # [N, T]
+    eos = torch.tensor(sorted(eos_ids))
+    out = logits.clone()
+    out[..., eos] = out[..., eos].masked_fill(early.unsqueeze(-1), float("-inf"))
+    return out
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Decoupled: ``execute`` validates each request and either answers it at once with an error (FINAL flag) or
 queues it; a background thread (:class:`retrace.export.triton.serving.ServingLoop`) runs the runtime's
 scheduler so concurrent requests share rounds, and sends one response per commit (``stream`` true) or
-one final response. Parameters (config.pbtxt) that drive it:
+one final response. Requests follow this model's own inputs or the TensorRT-LLM or vLLM backend's
+conventions (validation.py, conventions.py); finished requests update Triton custom metrics
+(triton_metrics.py, on the server's metrics port). Parameters (config.pbtxt) that drive it:
 
 ``RETRACE_BUNDLE``            engine bundle directory (relative paths are relative to the model directory)
 ``RETRACE_BACKEND``           runtime backend (default ``onnxruntime``)
@@ -51,17 +53,29 @@ def _bytes_tensor(name, text):
 
 
 class _TritonSink:
-    """Adapts a decoupled response sender to :class:`retrace.export.triton.serving.Sink`."""
+    """Adapts a decoupled response sender to :class:`retrace.export.triton.serving.Sink`. With
+    exclude_input_in_output false the first response starts with the prompt (its text, or its ids when the
+    prompt was given as ids), as TensorRT-LLM and vLLM do; a finished request updates the metrics."""
 
-    def __init__(self, sender):
-        self.sender = sender
+    def __init__(self, sender, spec, metrics=None):
+        self.sender, self.mode, self.metrics = sender, spec.mode, metrics
+        self.prefix_text = "" if spec.exclude_input or spec.prompt_text is None else spec.prompt_text
+        self.prefix_ids = [] if spec.exclude_input or spec.prompt_ids is None else list(spec.prompt_ids)
 
     def send(self, token_ids, text, stats, final):
+        if self.prefix_text or self.prefix_ids:
+            text, token_ids = self.prefix_text + text, self.prefix_ids + list(token_ids)
+            self.prefix_text, self.prefix_ids = "", []
         outputs = [_bytes_tensor("text_output", text),
                    pb_utils.Tensor("output_ids", np.asarray(token_ids, dtype=np.int64).reshape(-1))]
         if stats is not None:
             outputs.append(_bytes_tensor("stats", json.dumps(stats)))
         self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if final else 0)
+        if final and stats is not None and self.metrics is not None:
+            try:
+                self.metrics.observe(self.mode, stats, stats.get("finish_reason"))
+            except Exception as e:  # metrics must never fail a request
+                _log(f"metrics update failed: {type(e).__name__}: {e}")
 
     def error(self, message, kind="internal"):
         self.sender.send(_error(message, kind), flags=_FINAL)
@@ -120,9 +134,17 @@ class TritonPythonModel:
         if not max_tokens:
             max_tokens = budget - 1 if budget else 4096
         modes = [m.strip() for m in (params.get("RETRACE_MODES") or "retrace,dflash,ar").split(",") if m.strip()]
+        backend = getattr(runtime, "backend", None)
+        eos = getattr(getattr(backend, "target_config", None), "eos_token_ids", None)
         self.limits = Limits(max_tokens=max_tokens, max_seq_len=budget,
                              vocab_size=adapter.vocab_size or blim["vocab_size"], modes=tuple(modes),
-                             default_mode=modes[0])
+                             default_mode=modes[0], eos_ids=tuple(int(t) for t in eos) if eos else None)
+        block = getattr(getattr(backend, "drafter_config", None), "block_size", None) or 16
+        self.metrics = None
+        if hasattr(pb_utils, "MetricFamily"):
+            from retrace.export.triton.triton_metrics import TritonMetrics
+
+            self.metrics = TritonMetrics(pb_utils, max_length=int(block))
         self.loop = serving.ServingLoop(adapter, self.limits, max_batch=max_batch, log=_log)
         self.loop.start()
         _log(f"{args['model_name']} ({args['model_instance_name']}) serving {bundle} with "
@@ -143,7 +165,7 @@ class TritonPythonModel:
             except Exception as e:  # a bug must still answer the client
                 sender.send(_error(f"could not read the request: {type(e).__name__}: {e}", "internal"), flags=_FINAL)
                 continue
-            self.loop.submit(self._Job(spec=spec, sink=_TritonSink(sender)))
+            self.loop.submit(self._Job(spec=spec, sink=_TritonSink(sender, spec, self.metrics)))
         return None
 
     def finalize(self):
@@ -151,3 +173,5 @@ class TritonPythonModel:
         if loop is not None:
             loop.stop()
             _log(f"stopped: {loop.snapshot()}")
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()

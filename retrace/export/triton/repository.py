@@ -26,7 +26,7 @@ from typing import Any
 
 import retrace
 from retrace.errors import RetraceError
-from retrace.export.triton.validation import INPUTS, OUTPUTS
+from retrace.export.triton.validation import INPUTS, LISTS, OUTPUTS
 from retrace.output_dir import MARKER, OutputDirError, check_output, staged_output
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -48,7 +48,13 @@ def render_config(
     instances: int,
     parameters: dict[str, str],
 ) -> str:
-    """The config.pbtxt text: python backend, decoupled, no Triton-side batching (the model batches)."""
+    """The config.pbtxt text: python backend, decoupled, no Triton-side batching (the model batches).
+
+    max_batch_size 0 with fully defined shapes: a single value is dims [1], a list dims [-1]. That is the
+    shape vLLM's backend declares and the one every client sends ([1]-shaped tensors: perf_analyzer via
+    genai-perf, /generate's scalars, tritonclient); with max_batch_size > 0 (TensorRT-LLM's ensemble) a
+    [1]-shaped tensor would be refused ([-1, 1] expected), and Triton-side batching adds nothing here: the
+    requests of a decoupled model already join the runtime's scheduler one by one and share its rounds."""
     lines = [
         f"name: {_q(model_name)}",
         'backend: "python"',
@@ -59,7 +65,8 @@ def render_config(
     ins = []
     for name, (dtype, optional) in INPUTS.items():
         opt = " optional: true" if optional else ""
-        ins.append(f"  {{ name: {_q(name)} data_type: {dtype} dims: [ -1 ]{opt} }}")
+        dims = "-1" if name in LISTS else "1"
+        ins.append(f"  {{ name: {_q(name)} data_type: {dtype} dims: [ {dims} ]{opt} }}")
     lines.append(",\n".join(ins))
     lines += ["]", "output ["]
     lines.append(",\n".join(f"  {{ name: {_q(n)} data_type: {t} dims: [ -1 ] }}" for n, t in OUTPUTS.items()))

@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

@@ -16,11 +16,20 @@ from typing import Any
 
 import numpy as np
 
-# name -> (Triton data type, optional?) ; the single source for config.pbtxt and for validation.
+from retrace.export.triton.conventions import (
+    VLLM_DEFAULT_MAX_TOKENS,
+    ConventionError,
+    check_trtllm,
+    parse_sampling_parameters,
+)
+
+# name -> (Triton data type, optional?) ; the single source for config.pbtxt and for validation. Every input
+# is optional for Triton (the two conventions send different sets); parse_request says what is missing.
+# Single values have dims [1] with max_batch_size 0 (repository.render_config), lists dims [-1] (LISTS).
 INPUTS: dict[str, tuple[str, bool]] = {
     "text_input": ("TYPE_STRING", True),
     "input_ids": ("TYPE_INT64", True),
-    "max_tokens": ("TYPE_INT32", False),
+    "max_tokens": ("TYPE_INT32", True),
     "temperature": ("TYPE_FP32", True),
     "top_p": ("TYPE_FP32", True),
     "top_k": ("TYPE_INT32", True),
@@ -28,7 +37,20 @@ INPUTS: dict[str, tuple[str, bool]] = {
     "stop": ("TYPE_STRING", True),
     "mode": ("TYPE_STRING", True),
     "stream": ("TYPE_BOOL", True),
+    "ignore_eos": ("TYPE_BOOL", True),
+    "min_tokens": ("TYPE_INT32", True),
+    "exclude_input_in_output": ("TYPE_BOOL", True),  # both conventions
+    # TensorRT-LLM
+    "min_length": ("TYPE_INT32", True),
+    "end_id": ("TYPE_INT32", True),
+    "pad_id": ("TYPE_INT32", True),
+    "beam_width": ("TYPE_INT32", True),
+    "stop_words": ("TYPE_STRING", True),
+    "bad_words": ("TYPE_STRING", True),
+    # vLLM
+    "sampling_parameters": ("TYPE_STRING", True),
 }
+LISTS = frozenset({"input_ids", "stop", "stop_words", "bad_words"})  # dims [-1]; every other input dims [1]
 OUTPUTS: dict[str, str] = {"text_output": "TYPE_STRING", "output_ids": "TYPE_INT64", "stats": "TYPE_STRING"}
 
 MAX_STOP_STRINGS = 16
@@ -47,6 +69,7 @@ class Limits:
     vocab_size: int | None = None  # input_ids must be in [0, vocab_size)
     modes: tuple[str, ...] = ("retrace", "dflash", "ar")
     default_mode: str = "retrace"
+    eos_ids: tuple[int, ...] | None = None  # the model's EOS tokens (TensorRT-LLM's end_id must be one)
 
 
 @dataclasses.dataclass
@@ -61,9 +84,12 @@ class RequestSpec:
     stop: list[str] = dataclasses.field(default_factory=list)
     mode: str = "retrace"
     stream: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    exclude_input: bool = True  # exclude_input_in_output (false: the first response starts with the prompt)
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        return {
+        kw = {
             "max_new_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -71,6 +97,11 @@ class RequestSpec:
             "seed": self.seed,
             "stop": list(self.stop),
         }
+        if self.ignore_eos:  # only when asked: a runtime without them still serves everything else
+            kw["ignore_eos"] = True
+        if self.min_tokens:
+            kw["min_tokens"] = self.min_tokens
+        return kw
 
 
 _INT_KINDS = ("i", "u")
@@ -114,6 +145,21 @@ def _float(name: str, arr: np.ndarray) -> float:
     if not math.isfinite(v):
         raise RequestError(f"input '{name}' must be a finite number, got {v}")
     return v
+
+
+def _bool(name: str, arr: np.ndarray) -> bool:
+    _check_kind(name, arr, ("b",), "BOOL")
+    return bool(_single(name, arr))
+
+
+def _check_stops(stops: list[str], where: str) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"{where} has {len(stops)} strings, at most {MAX_STOP_STRINGS} are allowed")
+    for s in stops:
+        if not s:
+            raise RequestError(f"{where} contains an empty string")
+        if len(s) > MAX_STOP_CHARS:
+            raise RequestError(f"{where} has a string longer than {MAX_STOP_CHARS} characters")
 
 
 def _parse_parameters(parameters: str | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -178,14 +224,52 @@ def parse_request(
             hi = f", {limits.vocab_size})" if limits.vocab_size is not None else ", inf)"
             raise RequestError(f"input 'input_ids' has token id {bad[0]} outside [0{hi}")
 
-    mt = get("max_tokens")
-    if mt is None:
-        raise RequestError("missing input 'max_tokens' (INT32, number of tokens to generate)")
-    max_tokens = _int("max_tokens", mt, "INT32")
+    # field -> (value, where it came from); a field may come from one source only
+    fields: dict[str, tuple[Any, str]] = {}
+
+    def put(field: str, value: Any, where: str) -> None:
+        if field in fields:
+            raise RequestError(f"'{field}' is given twice ({fields[field][1]} and {where})")
+        fields[field] = (value, where)
+
+    for name, field, read in (
+        ("max_tokens", "max_tokens", lambda a: _int("max_tokens", a, "INT32")),
+        ("temperature", "temperature", lambda a: _float("temperature", a)),
+        ("top_p", "top_p", lambda a: _float("top_p", a)),
+        ("top_k", "top_k", lambda a: _int("top_k", a, "INT32")),
+        ("seed", "seed", lambda a: _int("seed", a, "INT64")),
+        ("stop", "stop", lambda a: _strings("stop", a)),
+        ("stop_words", "stop", lambda a: [w for w in _strings("stop_words", a) if w]),
+        ("min_tokens", "min_tokens", lambda a: _int("min_tokens", a, "INT32")),
+        ("min_length", "min_tokens", lambda a: _int("min_length", a, "INT32")),
+        ("ignore_eos", "ignore_eos", lambda a: _bool("ignore_eos", a)),
+    ):
+        if (a := get(name)) is not None:
+            put(field, read(a), f"input '{name}'")
+    trt = {name: _int(name, a, "INT32") if name != "bad_words" else _strings(name, a)
+           for name in ("beam_width", "end_id", "pad_id", "bad_words") if (a := get(name)) is not None}
+    try:
+        check_trtllm(trt.get("beam_width"), trt.get("end_id"), trt.get("pad_id"), trt.get("bad_words"),
+                     limits.eos_ids)
+        if (a := get("sampling_parameters")) is not None:
+            texts = _strings("sampling_parameters", a)
+            if len(texts) != 1:
+                raise RequestError(f"input 'sampling_parameters' must hold exactly one string, got {len(texts)}")
+            for k, v in parse_sampling_parameters(texts[0]).items():
+                put(k, v, f"sampling_parameters {k!r}")
+            if "max_tokens" not in fields:
+                put("max_tokens", VLLM_DEFAULT_MAX_TOKENS, "vLLM's default max_tokens")
+    except ConventionError as e:
+        raise RequestError(str(e)) from None
+
+    if "max_tokens" not in fields:
+        raise RequestError("missing input 'max_tokens' (INT32, number of tokens to generate; or 'max_tokens' in "
+                           "'sampling_parameters')")
+    max_tokens, where = fields.pop("max_tokens")
     if max_tokens <= 0:
-        raise RequestError(f"input 'max_tokens' must be > 0, got {max_tokens}")
+        raise RequestError(f"{where} must be > 0, got {max_tokens}")
     if max_tokens > limits.max_tokens:
-        raise RequestError(f"input 'max_tokens' is {max_tokens}, above this model's limit of {limits.max_tokens}")
+        raise RequestError(f"{where} is {max_tokens}, above this model's limit of {limits.max_tokens}")
     if limits.max_seq_len is not None and prompt_ids is not None and len(prompt_ids) + max_tokens > limits.max_seq_len:
         raise RequestError(
             f"prompt ({len(prompt_ids)} tokens) + 'max_tokens' ({max_tokens}) exceeds the maximum sequence "
@@ -193,32 +277,20 @@ def parse_request(
         )
 
     spec = RequestSpec(prompt_text=prompt_text, prompt_ids=prompt_ids, max_tokens=max_tokens, mode=limits.default_mode)
-    if (a := get("temperature")) is not None:
-        spec.temperature = _float("temperature", a)
-        if spec.temperature < 0:
-            raise RequestError(f"input 'temperature' must be >= 0, got {spec.temperature}")
-    if (a := get("top_p")) is not None:
-        spec.top_p = _float("top_p", a)
-        if not 0.0 < spec.top_p <= 1.0:
-            raise RequestError(f"input 'top_p' must be in (0, 1], got {spec.top_p}")
-    if (a := get("top_k")) is not None:
-        spec.top_k = _int("top_k", a, "INT32")
-        if spec.top_k < 0:
-            raise RequestError(f"input 'top_k' must be >= 0 (0 disables it), got {spec.top_k}")
-    if (a := get("seed")) is not None:
-        spec.seed = _int("seed", a, "INT64")
-        if spec.seed < 0:
-            raise RequestError(f"input 'seed' must be >= 0, got {spec.seed}")
-    if (a := get("stop")) is not None:
-        stops = _strings("stop", a)
-        if len(stops) > MAX_STOP_STRINGS:
-            raise RequestError(f"input 'stop' has {len(stops)} strings, at most {MAX_STOP_STRINGS} are allowed")
-        for s in stops:
-            if not s:
-                raise RequestError("input 'stop' contains an empty string")
-            if len(s) > MAX_STOP_CHARS:
-                raise RequestError(f"input 'stop' has a string longer than {MAX_STOP_CHARS} characters")
-        spec.stop = stops
+    for field, (v, where) in fields.items():
+        if field == "temperature" and v < 0:
+            raise RequestError(f"{where} must be >= 0, got {v}")
+        if field == "top_p" and not 0.0 < v <= 1.0:
+            raise RequestError(f"{where} must be in (0, 1], got {v}")
+        if field == "top_k" and v < 0:
+            raise RequestError(f"{where} must be >= 0 (0 disables it), got {v}")
+        if field == "seed" and v < 0:
+            raise RequestError(f"{where} must be >= 0, got {v}")
+        if field == "min_tokens" and not 0 <= v <= max_tokens:
+            raise RequestError(f"{where} must be in [0, max_tokens={max_tokens}], got {v}")
+        if field == "stop":
+            _check_stops(v, where)
+        setattr(spec, field, v)
     if (a := get("mode")) is not None:
         modes = _strings("mode", a)
         if len(modes) != 1:
@@ -227,6 +299,7 @@ def parse_request(
             raise RequestError(f"unknown mode {modes[0]!r} in input 'mode'; this model serves: {', '.join(limits.modes)}")
         spec.mode = modes[0]
     if (a := get("stream")) is not None:
-        _check_kind("stream", a, ("b",), "BOOL")
-        spec.stream = bool(_single("stream", a))
+        spec.stream = _bool("stream", a)
+    if (a := get("exclude_input_in_output")) is not None:
+        spec.exclude_input = _bool("exclude_input_in_output", a)
     return spec
