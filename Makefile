@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench bench-scale clean triton-env gpu-carry serve-bench-triton
+.PHONY: venv demo test lint bench bench-scale clean triton-env gpu-carry zoo-seeds serve-bench-triton
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -71,3 +71,8 @@ clean:
 # gpu-carry/ (test-size zoo pair + its CPU greedy reference) and .whl/ (transformers 5.23 + fallbacks).
 gpu-carry: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gpu_carry.sh
+
+# The zoo's figures over 3 seeds (portable numerics; each seed cached under zoo-seeds/seed-N): the spread the
+# README gives. About 3x one `make demo` zoo build.
+zoo-seeds: $(STAMP)
+	$(BIN)/python benchmarks/zoo_seeds.py --size small --seeds 0,1,2 --root zoo-seeds --json bench-out/zoo-seeds.json --markdown bench-out/zoo-seeds.md --plot bench-out/zoo-seeds.png
