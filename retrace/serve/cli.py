@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from pathlib import Path
 
 import click
@@ -37,6 +40,8 @@ def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, 
     from retrace.runtime.engine import Engine
     from retrace.serve.chat import ChatTemplate
 
+    _Server = _server_class()
+
     rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
                        verify_bundle=not no_verify_bundle, verify_policy=verify_policy)
     codec_path = getattr(rt.codec, "path", None)
@@ -48,5 +53,27 @@ def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, 
                   chat, drain_s=drain_timeout)
     click.echo(f"retrace serve: model `{name}` ({rt.backend.name}, max_batch {rt.backend.max_batch}, modes "
                f"{', '.join(svc.modes)}, chat template {'yes' if chat else 'no'}) on http://{host}:{port}", err=True)
-    uvicorn.run(create_app(svc), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=drain_timeout)
+    config = uvicorn.Config(create_app(svc), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=drain_timeout)
+    _Server(config).run()
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """Like uvicorn's, but SIGTERM / Ctrl-C end in a graceful shutdown and exit 0 (uvicorn re-raises
+            the signal after it, which kills the process with that signal)."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
