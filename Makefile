@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench bench-scale clean triton-env gpu-carry
+.PHONY: venv demo test lint bench bench-scale serve-bench clean triton-env gpu-carry
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,18 @@ bench-scale: $(STAMP)
 	$(BIN)/retrace zoo inflate --from $(ZOO) --out $(SCALE_ZOO) --shape qwen3-0.6b --quiet
 	test -f $(SCALE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --out $(SCALE_BUNDLE) --max-batch 4 --max-seq-len 512
 	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 4 --max-new-tokens 48 --threads 2 --peer-env defaults --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
+
+# `retrace serve` under AIPerf (in its own venv: its pins are not the project's): OpenAI endpoints chat and
+# completions, streaming, concurrency 1, 4, 16 -> bench-out/serve.md. A benchmark, not in CI.
+# AIPERF= (empty) uses the built-in asyncio load generator instead.
+SERVE_BUNDLE ?= bundles/zoo-small-serve
+AIPERF_VENV ?= .venv-aiperf
+AIPERF ?= $(AIPERF_VENV)/bin/aiperf
+serve-bench: $(STAMP)
+	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
+	test -f $(SERVE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(ZOO)/target --drafter $(ZOO)/drafter --out $(SERVE_BUNDLE) --max-batch 16 --max-seq-len 512
+	test -z "$(AIPERF)" || test -x $(AIPERF) || ($(PY) -m venv $(AIPERF_VENV) && $(AIPERF_VENV)/bin/pip install -q aiperf)
+	$(BIN)/python -m benchmarks.serve_bench --engine $(SERVE_BUNDLE) --prompts $(ZOO)/prompts --out bench-out/serve $(if $(AIPERF),--aiperf $(AIPERF))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -73,7 +73,8 @@ class Service:
         if max_tokens is None:  # as many as fit
             max_tokens = max(1, self.max_seq_len - len(ids) - self.reserve)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                top_k=body.top_k, seed=body.seed, stop=tuple(body.stop_list()))
+                                top_k=body.top_k, seed=body.seed, stop=tuple(body.stop_list()),
+                                ignore_eos=body.ignore_eos)
         return self.engine.submit(ids, params, mode)
 
     def usage(self, h: Handle) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # extension (vLLM's name)
+    ignore_eos: bool = False  # extension (vLLM's name): generate max_tokens whatever the EOS
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = 1
