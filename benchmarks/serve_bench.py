@@ -4,7 +4,7 @@ concurrency 1, 4, 16; writes a markdown table (and the numbers as JSON). A bench
 The load comes from AIPerf (``--aiperf PATH``: an ``aiperf`` executable, e.g. from its own venv) or, without
 it, from the built-in generator below (``openai.AsyncOpenAI`` streaming clients, a fixed number of requests
 per level, prompts from JSONL files). Both report time to first token, inter-token latency and output
-tokens/s; the built-in one also the acceptance (tau) the server reported per request.
+tokens/s, and the server's committed tokens per round (tau, from its /metrics) at each level.
 
     python -m benchmarks.serve_bench --engine BUNDLE --prompts DIR_OR_JSONL --out bench-out/serve
 """
@@ -150,6 +150,18 @@ def aiperf_level(aiperf: str, port: int, endpoint: str, concurrency: int, reques
             "tau_mean": None}
 
 
+def server_totals(port: int) -> tuple[float, float]:
+    """(committed tokens, rounds) over every mode, from the server's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as resp:
+        text = resp.read().decode()
+    tot = {"retrace_output_tokens_total": 0.0, "retrace_rounds_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in tot:
+            tot[name] += float(line.rsplit(" ", 1)[1])
+    return tot["retrace_output_tokens_total"], tot["retrace_rounds_total"]
+
+
 def fmt(v, digits=1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -181,11 +193,14 @@ def main() -> None:
             for endpoint in endpoints:
                 for c in levels:
                     n = args.requests or max(16, 4 * c)
+                    tokens0, rounds0 = server_totals(port)
                     if args.aiperf:
                         r = aiperf_level(args.aiperf, port, endpoint, c, n, args.max_tokens,
                                          Path(args.engine) / "tokenizer", Path(tmp))
                     else:
                         r = asyncio.run(builtin_level(port, endpoint, c, prompts, n, args.max_tokens))
+                    tokens1, rounds1 = server_totals(port)
+                    r["tokens_per_round"] = (tokens1 - tokens0) / max(rounds1 - rounds0, 1)  # server side
                     rows.append({"endpoint": endpoint, "concurrency": c, **r})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as resp:
@@ -197,11 +212,11 @@ def main() -> None:
              f", load: {tool}; streaming, max_tokens {args.max_tokens}, greedy; server max batch seen "
              f"{health['max_batch_seen']}; server exit code after SIGTERM: {rc}.", "",
              "| endpoint | concurrency | requests | TTFT p50 (ms) | TTFT mean (ms) | inter-token (ms) | output tok/s "
-             "| req/s | tau |", "|---|---|---|---|---|---|---|---|---|"]
+             "| req/s | tokens/round (server) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['endpoint']} | {r['concurrency']} | {r['requests']} | {fmt(r['ttft_ms_p50'])} | "
                      f"{fmt(r['ttft_ms_mean'])} | {fmt(r['itl_ms_mean'], 2)} | {fmt(r['output_tok_s'])} | "
-                     f"{fmt(r['req_s'], 2)} | {fmt(r['tau_mean'], 2)} |")
+                     f"{fmt(r['req_s'], 2)} | {fmt(r['tokens_per_round'], 2)} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -220,6 +220,12 @@ def test_other_errors_and_health(world):
         svc.chat = chat
     got, out = request(port, "POST", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]})
     assert got == 400 and out["error"]["param"] == "tools"
+    queue, svc.engine.max_queue = svc.engine.max_queue, -svc.engine.max_batch  # full: back-pressure
+    try:
+        got, out = request(port, "POST", "/v1/completions", {"prompt": "t1x"})
+        assert got == 503 and out["error"]["code"] == "unavailable" and "retry later" in out["error"]["message"]
+    finally:
+        svc.engine.max_queue = queue
     got, out = request(port, "GET", "/health")
     assert got == 200 and out["status"] == "ok" and out["outstanding"] == 0
 

@@ -11,6 +11,7 @@ The thread owns the scheduler (retrace/runtime/loop.py): between rounds it adds 
 at most ``max_queue`` requests wait beyond the batch slots; ``submit`` raises :class:`EngineFull` past
 that. Every finished request (cancelled ones too) is counted in :attr:`metrics` (ServingMetrics).
 
+The engine owns the runtime's scheduler: while it runs, do not call the runtime's generate/stream too.
 The runtime is duck-typed (``scheduler()`` with add/step/cancel, ``codec``, ``backend.max_batch``), so
 the Triton model's stand-in runtime runs on the same engine (retrace/export/triton/serving.py).
 """
