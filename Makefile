@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench bench-scale clean triton-env gpu-carry zoo-seeds serve-bench-triton
+.PHONY: venv demo test lint bench bench-scale serve-bundle serve-bench serve-bench-triton clean triton-env gpu-carry zoo-seeds
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -54,13 +54,27 @@ bench-scale: $(STAMP)
 	test -f $(SCALE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --out $(SCALE_BUNDLE) --max-batch 4 --max-seq-len 512
 	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 4 --max-new-tokens 48 --threads 2 --peer-env defaults --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
 
-# Load-test the Triton model with genai-perf (kserve, gRPC streaming) at concurrency 1, 4, 16: a benchmark,
-# not in CI. genai-perf in its own venv (GENAI_PERF, see benchmarks/serve_bench_triton.py for the install).
-SERVE_BUNDLE ?= $(BUNDLE)
+# Servers under load (benchmarks, not in CI), on a bundle of the zoo pair (built once):
+#  serve-bench: `retrace serve` under AIPerf (in its own venv: its pins are not the project's), OpenAI
+#    endpoints chat and completions, streaming, concurrency 1, 4, 16 -> bench-out/serve.md.
+#    AIPERF= (empty) uses the built-in asyncio load generator instead.
+#  serve-bench-triton: the Triton model under genai-perf (kserve, gRPC streaming), concurrency 1, 4, 16 ->
+#    bench-out/serve-triton.md. genai-perf in its own venv (GENAI_PERF; install: benchmarks/serve_bench_triton.py).
+SERVE_BUNDLE ?= bundles/zoo-small-serve
+AIPERF_VENV ?= .venv-aiperf
+AIPERF ?= $(AIPERF_VENV)/bin/aiperf
 SERVE_CONVENTION ?= tensorrtllm
 GENAI_PERF ?= /tmp/bench-venv/bin/genai-perf
 SERVE_PROMPTS ?=
-serve-bench-triton: $(STAMP)
+serve-bundle: $(STAMP)
+	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
+	test -f $(SERVE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(ZOO)/target --drafter $(ZOO)/drafter --out $(SERVE_BUNDLE) --max-batch 16 --max-seq-len 512
+
+serve-bench: serve-bundle
+	test -z "$(AIPERF)" || test -x $(AIPERF) || ($(PY) -m venv $(AIPERF_VENV) && $(AIPERF_VENV)/bin/pip install -q aiperf)
+	$(BIN)/python -m benchmarks.serve_bench --engine $(SERVE_BUNDLE) --prompts $(ZOO)/prompts --out bench-out/serve $(if $(AIPERF),--aiperf $(AIPERF))
+
+serve-bench-triton: serve-bundle
 	PYTHON=$(BIN)/python scripts/triton_env.sh
 	$(BIN)/python -m benchmarks.serve_bench_triton --bundle $(SERVE_BUNDLE) --convention $(SERVE_CONVENTION) --genai-perf $(GENAI_PERF) --concurrency 1,4,16 $(if $(SERVE_PROMPTS),--prompts $(SERVE_PROMPTS)) --out bench-out/serve-triton.md
 

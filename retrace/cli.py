@@ -241,3 +241,8 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
 
 if __name__ == "__main__":
     main()
+
+
+from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)
+
+main.add_command(serve)

@@ -108,6 +108,15 @@ class Scheduler:
     # -- requests --------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
         """Queue a request (validated now, so a bad one never breaks a running batch)."""
+        self.check(prompt_ids, params, mode)
+        req = Request(next(self._ids), list(prompt_ids), params, mode)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        req.generator = torch.Generator().manual_seed(seed)
+        self.waiting.append(req)
+        return req
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> None:
+        """Raise RetraceError if `add` would refuse the request (reads no scheduler state: thread-safe)."""
         if mode not in MODES:
             raise RetraceError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
         if mode != "ar" and self.backend.drafter_config is None:
@@ -125,11 +134,6 @@ class Scheduler:
             raise RetraceError(
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} + block "
                 f"{self.block_size} exceeds the configured max length {self.backend.max_seq_len}")
-        req = Request(next(self._ids), list(prompt_ids), params, mode)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        req.generator = torch.Generator().manual_seed(seed)
-        self.waiting.append(req)
-        return req
 
     def cancel(self, req: Request) -> None:
         """Drop a request (client went away / preemption): frees its slot and its suffix memory."""

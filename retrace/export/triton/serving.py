@@ -1,14 +1,15 @@
-"""The serving loop behind the Triton model: requests join and leave the runtime's scheduler between rounds.
+"""The serving loop behind the Triton model: a thin adapter over the one engine (retrace/runtime/engine.py).
 
 Nothing here imports Triton; ``model.py`` (the python-backend model) feeds validated requests in and
-wraps each request's response sender in a :class:`Sink`. One background thread owns the runtime: it
-admits queued requests up to ``max_batch`` active ones, runs one scheduler round (``sched.step()``) for
-all of them together, sends each request's newly committed tokens, drops requests whose client hung up
-(``Sink.is_cancelled``), and on :meth:`ServingLoop.stop` finishes every outstanding request with an error
-so the server can exit.
+wraps each request's response sender in a :class:`Sink`. :class:`ServingLoop` tokenizes and checks each
+job against the model's limits, submits it to the engine (whose background thread runs the runtime's
+scheduler: requests join and leave between rounds), and turns the engine's events into the job's
+responses (one per commit when streaming, one final otherwise). A client that hung up
+(``Sink.is_cancelled``) is dropped before the next round; :meth:`ServingLoop.stop` fails every
+outstanding request with an error so the server can exit.
 
-RUNTIME INTEGRATION POINT: :func:`create_runtime` is the one place where the runtime is created, and
-:class:`RuntimeAdapter` the one place that calls it (``retrace.runtime``, see docs/INTERFACES.md)::
+RUNTIME INTEGRATION POINT: :func:`create_runtime` is the one place where the runtime is created; the
+engine and :class:`RuntimeAdapter` use it through ``retrace.runtime``'s serving API (docs/INTERFACES.md)::
 
     rt = Runtime.from_bundle(bundle_dir, backend="onnxruntime", max_batch=N)
     sched = rt.scheduler()                         # long-lived; requests join/leave between rounds
@@ -22,19 +23,19 @@ RUNTIME INTEGRATION POINT: :func:`create_runtime` is the one place where the run
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import importlib
 import json
 import math
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from retrace.errors import RetraceError
 from retrace.export.triton.validation import Limits, RequestSpec
+from retrace.runtime.engine import Engine
+from retrace.runtime.engine_handle import EngineClosed, EngineFull, Handle, RequestCancelled, RequestRejected
 
 DEFAULT_BACKEND = "onnxruntime"
 
@@ -111,7 +112,7 @@ def _int_or_none(v: Any) -> int | None:
 
 
 class RuntimeAdapter:
-    """Every call into the runtime goes through here (see the module docstring for the API it uses)."""
+    """What the Triton model needs to know about the runtime (limits, tokenizer, its SamplingParams)."""
 
     def __init__(self, runtime: Any) -> None:
         self.rt = runtime
@@ -122,13 +123,10 @@ class RuntimeAdapter:
         if params_cls is None:
             from retrace.runtime import SamplingParams as params_cls  # noqa: N813
         self._params_cls = params_cls
-        self._sched: Any = None
 
     @property
     def sched(self) -> Any:
-        if self._sched is None:
-            self._sched = self.rt.scheduler()
-        return self._sched
+        return self.rt.scheduler()
 
     # limits the runtime knows better than the manifest
     @property
@@ -151,34 +149,21 @@ class RuntimeAdapter:
 
     @property
     def max_batch_seen(self) -> int | None:
-        return _int_or_none(getattr(self._sched, "max_batch_seen", None))
+        return _int_or_none(getattr(self.sched, "max_batch_seen", None))
 
     def encode(self, text: str) -> list[int] | None:
         return None if self.codec is None else [int(t) for t in self.codec.encode(text)]
 
-    def add(self, prompt_ids: list[int], spec: RequestSpec) -> Any:
-        return self.sched.add(prompt_ids, self._params_cls(**spec.sampling_kwargs()), spec.mode)
+    def params(self, spec: RequestSpec) -> Any:
+        return self._params_cls(**spec.sampling_kwargs())
 
-    def key(self, handle: Any) -> Any:
-        return _get(handle, "rid", handle)
-
-    def step(self) -> list[Any]:
-        return list(self.sched.step() or ())
-
-    def event_key(self, ev: Any) -> Any:
-        return self.key(_get(ev, "request"))
-
-    def request_stats(self, handle: Any) -> dict[str, Any]:
-        result = getattr(handle, "result", None)
+    def request_stats(self, handle: Handle) -> dict[str, Any]:
+        result = getattr(handle.request, "result", None)
         stats = dict(result().get("stats") or {}) if callable(result) else {}
-        reason = _get(handle, "finish_reason")
+        reason = _get(handle.request, "finish_reason")
         if reason is not None:
             stats["finish_reason"] = reason
         return stats
-
-    def cancel(self, handle: Any) -> None:
-        if self._sched is not None:
-            self._sched.cancel(handle)
 
     def close(self) -> None:
         fn = getattr(self.rt, "close", None)
@@ -203,17 +188,20 @@ class Job:
     spec: RequestSpec
     sink: Sink
     prompt_ids: list[int] | None = None
-    handle: Any = None  # the runtime's request object
-    ids: list[int] = dataclasses.field(default_factory=list)
+    handle: Handle | None = None  # the engine's handle
     text: str = ""  # text delivered (stream) or gathered (non-stream) so far
     unsent_ids: list[int] = dataclasses.field(default_factory=list)
-    batch_hist: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    t_submit: float = dataclasses.field(default_factory=time.monotonic)
-    t_first: float | None = None
+
+
+# engine errors -> (the message the client gets or None for the error's own, Sink.error kind)
+_ERROR_KINDS = ((RequestCancelled, "the request was cancelled", "cancelled"),
+                (EngineClosed, "the model is shutting down", "unavailable"),
+                (EngineFull, None, "unavailable"),
+                (RequestRejected, None, "invalid"))
 
 
 class ServingLoop:
-    """Runs the runtime's scheduler on one background thread; see the module docstring."""
+    """Serves Triton jobs on the one engine (retrace/runtime/engine.py); see the module docstring."""
 
     def __init__(
         self,
@@ -222,87 +210,70 @@ class ServingLoop:
         *,
         max_batch: int,
         log: Callable[[str], None] | None = None,
-        idle_wait_s: float = 0.05,
+        max_queue: int = 4096,
     ) -> None:
         self.adapter = adapter
         self.limits = limits
         self.max_batch = max(1, int(max_batch))
         self.log = log or (lambda m: None)
-        self.idle_wait_s = idle_wait_s
-        self._cv = threading.Condition()
-        self._incoming: collections.deque[Job] = collections.deque()
-        self._pending: collections.deque[Job] = collections.deque()
-        self._active: dict[Any, Job] = {}
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        # counters (logged at shutdown, read by tests)
-        self.max_batch_seen = 0
-        self.rounds = 0
-        self.completed = 0
-        self.cancelled = 0
-        self.failed = 0
+        self.engine = Engine(adapter.rt, max_queue=max_queue, log=self.log)
+        self.metrics = self.engine.metrics
+        self.invalid = 0  # refused before reaching the engine
 
     # -- public ---------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="retrace-serving-loop", daemon=True)
-        self._thread.start()
+        self.engine.start()
 
     def submit(self, job: Job) -> None:
-        with self._cv:
-            if self._stop:
-                job.sink.error("the model is shutting down", "unavailable")
-                return
-            self._incoming.append(job)
-            self._cv.notify()
+        problem = self._prepare(job)
+        if problem is not None:
+            self.invalid += 1
+            self._safe(lambda: job.sink.error(problem, "invalid"))
+            return
+        try:
+            assert job.prompt_ids is not None
+            job.handle = self.engine.submit(job.prompt_ids, self.adapter.params(job.spec), job.spec.mode,
+                                            listener=_JobListener(self, job))
+        except RetraceError as e:
+            message, kind = self._error_reply(e)
+            if isinstance(e, RequestRejected):
+                message = f"the runtime rejected the request: {e}"
+            self._safe(lambda: job.sink.error(message, kind))
+        except Exception as e:
+            message = f"the runtime rejected the request: {e}"
+            self._safe(lambda: job.sink.error(message, "invalid"))
 
     def stop(self, timeout: float = 30.0) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                self.log(f"serving loop did not stop within {timeout} s; failing outstanding requests")
-                self._fail_all("the model is shutting down", "unavailable")
+        """Fail every outstanding request with 'the model is shutting down' (so the server can exit)."""
+        self.engine.shutdown(drain=False, timeout=timeout)
         self._safe(self.adapter.close)
 
     def snapshot(self) -> dict[str, Any]:
-        return {"max_batch_seen": self.max_batch_seen, "rounds": self.rounds, "completed": self.completed,
-                "cancelled": self.cancelled, "failed": self.failed, "active": len(self._active),
-                "pending": len(self._pending) + len(self._incoming)}
+        snap = self.engine.snapshot()
+        snap["failed"] += self.invalid
+        return snap
 
-    # -- loop -----------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cv:
-                    if not self._stop and not self._incoming and not self._active and not self._pending:
-                        self._cv.wait(self.idle_wait_s)
-                    if self._stop:
-                        break
-                    self._pending.extend(self._incoming)
-                    self._incoming.clear()
-                self._drop_cancelled()
-                self._admit()
-                if self._active:
-                    self._round()
-        except Exception:  # never leave clients hanging on a loop bug
-            self.log("serving loop crashed:\n" + traceback.format_exc())
-        finally:
-            self._fail_all("the model is shutting down", "unavailable")
+    @property
+    def max_batch_seen(self) -> int:
+        return self.engine.max_batch_seen
 
-    def _fail_all(self, message: str, kind: str) -> None:
-        with self._cv:
-            jobs = list(self._incoming) + list(self._pending)
-            self._incoming.clear()
-            self._pending.clear()
-        for job in list(self._active.values()):
-            self._safe(lambda j=job: self.adapter.cancel(j.handle))
-            jobs.append(job)
-        self._active.clear()
-        for job in jobs:
-            self._safe(lambda j=job: j.sink.error(message, kind))
+    @property
+    def rounds(self) -> int:
+        return self.engine.rounds
 
+    @property
+    def completed(self) -> int:
+        return self.engine.completed
+
+    @property
+    def cancelled(self) -> int:
+        return self.engine.cancelled
+
+    @property
+    def failed(self) -> int:
+        return self.engine.failed + self.invalid
+
+    # -- pieces ---------------------------------------------------------------------------------------
     def _safe(self, fn: Callable[[], Any]) -> bool:
         try:
             fn()
@@ -311,37 +282,12 @@ class ServingLoop:
             self.log(f"ignored error: {type(e).__name__}: {e}")
             return False
 
-    def _cancelled(self, job: Job) -> bool:
-        try:
-            return bool(job.sink.is_cancelled())
-        except Exception:
-            return True  # the sender is gone: treat as a hang-up
-
-    def _drop_cancelled(self) -> None:
-        if self._pending:
-            keep: collections.deque[Job] = collections.deque()
-            for job in self._pending:
-                if self._cancelled(job):
-                    self._safe(lambda j=job: j.sink.error("the request was cancelled", "cancelled"))
-                    self.cancelled += 1
-                else:
-                    keep.append(job)
-            self._pending = keep
-        for key, job in list(self._active.items()):
-            if self._cancelled(job):
-                self._release(key, cancelled=True)
-
-    def _release(self, key: Any, cancelled: bool) -> None:
-        job = self._active.pop(key, None)
-        if job is None:
-            return
-        self._safe(lambda: self.adapter.cancel(job.handle))
-        if cancelled:
-            # Close the request with a FINAL response: Triton counts it as in flight until then (and would
-            # not shut down cleanly); the client is gone, so nobody sees this error.
-            self._safe(lambda: job.sink.error("the request was cancelled", "cancelled"))
-            self.cancelled += 1
-            self.log(f"request {key} cancelled by the client after {len(job.ids)} tokens; slot freed")
+    @staticmethod
+    def _error_reply(err: Exception) -> tuple[str, str]:
+        for cls, message, kind in _ERROR_KINDS:
+            if isinstance(err, cls):
+                return message or str(err), kind
+        return str(err), "internal"
 
     def _prepare(self, job: Job) -> str | None:
         """Tokenize a text prompt and check its length; return an error message or None."""
@@ -362,81 +308,51 @@ class ServingLoop:
                     f"model's token budget of {msl} per request")
         return None
 
-    def _admit(self) -> None:
-        while self._pending and len(self._active) < self.max_batch:
-            job = self._pending.popleft()
-            problem = self._prepare(job)
-            if problem is None:
-                try:
-                    assert job.prompt_ids is not None
-                    job.handle = self.adapter.add(job.prompt_ids, job.spec)
-                except Exception as e:
-                    problem = f"the runtime rejected the request: {e}"
-            if problem is not None:
-                self.failed += 1
-                self._safe(lambda j=job, p=problem: j.sink.error(p, "invalid"))
-                continue
-            self._active[self.adapter.key(job.handle)] = job
-
-    def _round(self) -> None:
-        n = len(self._active)
-        try:
-            events = self.adapter.step()
-        except Exception as e:
-            self.log("runtime step failed:\n" + traceback.format_exc())
-            msg = f"the runtime failed: {type(e).__name__}: {e}"
-            for job in list(self._active.values()):
-                self._safe(lambda j=job: self.adapter.cancel(j.handle))
-                self.failed += 1
-                self._safe(lambda j=job: j.sink.error(msg, "internal"))
-            self._active.clear()
-            return
-        self.rounds += 1
-        self.max_batch_seen = max(self.max_batch_seen, n)
-        for job in self._active.values():
-            job.batch_hist[n] += 1
-        for ev in events:
-            key = self.adapter.event_key(ev)
-            job = self._active.get(key)
-            if job is not None:  # None: cancelled meanwhile
-                self._deliver(key, job, ev)
-
-    def _deliver(self, key: Any, job: Job, ev: Any) -> None:
-        new_ids = [int(t) for t in (_get(ev, "token_ids") or ())]
-        finished = bool(_get(ev, "finished", False))
-        delta = str(_get(ev, "text", "") or "")  # the runtime holds back partial characters / stop strings
-        if new_ids and job.t_first is None:
-            job.t_first = time.monotonic()
-        job.ids.extend(new_ids)
-        job.unsent_ids.extend(new_ids)
-        job.text += delta
-        stats = self._final_stats(job) if finished else None
-        if job.spec.stream:
-            if job.unsent_ids or delta or finished:
-                ok = self._safe(lambda: job.sink.send(job.unsent_ids, delta, stats, finished))
-                job.unsent_ids = []
-                if not ok:
-                    self._release(key, cancelled=True)
-                    return
-        elif finished and not self._safe(lambda: job.sink.send(job.ids, job.text, stats, True)):
-            self._release(key, cancelled=True)
-            return
-        if finished:
-            self._active.pop(key, None)
-            self.completed += 1
-
-    def _final_stats(self, job: Job) -> dict[str, Any]:
-        stats = self.adapter.request_stats(job.handle)
-        stats.setdefault("finish_reason", "length" if len(job.ids) >= job.spec.max_tokens else "stop")
+    def _final_stats(self, job: Job, h: Handle) -> dict[str, Any]:
+        stats = self.adapter.request_stats(h)
+        stats.setdefault("finish_reason", "length" if len(h.token_ids) >= job.spec.max_tokens else "stop")
         now = time.monotonic()
         stats.update(
             mode=job.spec.mode,
             prompt_tokens=len(job.prompt_ids or ()),
-            completion_tokens=len(job.ids),
-            max_batch_seen=max(job.batch_hist, default=0),
-            batch_hist={str(k): v for k, v in sorted(job.batch_hist.items())},
+            completion_tokens=len(h.token_ids),
+            max_batch_seen=h.max_batch_seen,
+            batch_hist={str(k): v for k, v in sorted(h.batch_hist.items())},
             scheduler_max_batch_seen=self.adapter.max_batch_seen,
-            latency_s=round(now - job.t_submit, 6),
-            ttft_s=None if job.t_first is None else round(job.t_first - job.t_submit, 6),
+            latency_s=round(now - h.t_submit, 6),
+            ttft_s=None if h.t_first is None else round(h.t_first - h.t_submit, 6),
         )
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in stats.items()}
+
+
+class _JobListener:
+    """Engine listener of one job: runs on the engine thread and answers through the job's sink."""
+
+    def __init__(self, loop: ServingLoop, job: Job) -> None:
+        self.loop, self.job = loop, job
+
+    def is_cancelled(self) -> bool:
+        return bool(self.job.sink.is_cancelled())
+
+    def on_event(self, h: Handle, ev: Any) -> None:  # raising: the client is gone (the engine cancels)
+        job = self.job
+        new_ids = [int(t) for t in (_get(ev, "token_ids") or ())]
+        delta = str(_get(ev, "text", "") or "")  # the runtime holds back partial characters / stop strings
+        finished = bool(_get(ev, "finished", False))
+        job.unsent_ids.extend(new_ids)
+        job.text += delta
+        stats = self.loop._final_stats(job, h) if finished else None
+        if job.spec.stream:
+            if job.unsent_ids or delta or finished:
+                ids, job.unsent_ids = job.unsent_ids, []
+                job.sink.send(ids, delta, stats, finished)
+        elif finished:
+            job.sink.send(list(h.token_ids), job.text, stats, True)
+
+    def on_error(self, h: Handle, err: Exception) -> None:
+        # A cancelled request is closed with a FINAL response too: Triton counts it as in flight until
+        # then (and would not shut down cleanly); the client is gone, so nobody sees this error.
+        if isinstance(err, RequestCancelled):
+            self.loop.log(f"request {_get(h.request, 'rid', '?')} cancelled by the client after "
+                          f"{len(h.token_ids)} tokens; slot freed")
+        self.job.sink.error(*self.loop._error_reply(err))

@@ -1,0 +1,79 @@
+"""`retrace serve`: the OpenAI-compatible server (app.py) on uvicorn, for an engine bundle or model dirs."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from pathlib import Path
+
+import click
+
+from retrace.cli import build_runtime, runtime_options
+from retrace.cli_errors import cli_errors
+from retrace.errors import MissingDependencyError, RetraceError
+
+
+@click.command("serve")
+@runtime_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--max-queue", type=click.IntRange(0), default=256, show_default=True,
+              help="requests that may wait beyond the batch slots; more get HTTP 503")
+@click.option("--chat-template", type=click.Path(dir_okay=False), default=None,
+              help="Jinja chat template file (default: the tokenizer's own)")
+@click.option("--served-model-name", default=None, help="model id clients send [default: the bundle's name]")
+@click.option("--drain-timeout", type=float, default=60.0, show_default=True,
+              help="seconds to finish in-flight requests on SIGTERM / Ctrl-C")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+@cli_errors
+def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
+          verify_policy, host, port, max_queue, chat_template, served_model_name, drain_timeout, log_level) -> None:
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    try:
+        import uvicorn
+
+        from retrace.serve.app import Service, create_app
+    except ImportError as e:
+        raise MissingDependencyError(f"retrace serve needs the 'serve' extra (pip install 'retrace[serve]'): {e}") from None
+    from retrace.runtime.engine import Engine
+    from retrace.serve.chat import ChatTemplate
+
+    _Server = _server_class()
+
+    rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
+                       verify_bundle=not no_verify_bundle, verify_policy=verify_policy)
+    codec_path = getattr(rt.codec, "path", None)
+    chat = ChatTemplate.load(codec_path.parent if codec_path else None, chat_template)
+    name = served_model_name or Path(engine or target).resolve().name
+    if not name:
+        raise RetraceError("give --served-model-name")
+    svc = Service(Engine(rt, max_queue=max_queue, log=lambda m: click.echo(f"[retrace] {m}", err=True)), name,
+                  chat, drain_s=drain_timeout)
+    click.echo(f"retrace serve: model `{name}` ({rt.backend.name}, max_batch {rt.backend.max_batch}, modes "
+               f"{', '.join(svc.modes)}, chat template {'yes' if chat else 'no'}) on http://{host}:{port}", err=True)
+    config = uvicorn.Config(create_app(svc), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=drain_timeout)
+    _Server(config).run()
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """Like uvicorn's, but SIGTERM / Ctrl-C end in a graceful shutdown and exit 0 (uvicorn re-raises
+            the signal after it, which kills the process with that signal)."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
