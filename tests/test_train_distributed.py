@@ -109,8 +109,10 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup,
 
 def test_fsdp_equals_one_process_and_its_checkpoint_is_a_full_one(setup, one_process, tmp_path):
     """--fsdp (FSDP2 on gloo: the drafter, its gradients and AdamW moments sharded over 2 processes) trains the
-    same weights as one process with twice the accumulation; its checkpoint holds the full, unsharded tensors
-    in the one-process format (same names and shapes as a one-process checkpoint) and resumes in one process."""
+    same weights as one process with twice the accumulation (every step's gradient norm, 1.1-2.2, is above
+    --grad-clip 1, so this also shows clipping takes the global norm, not each shard's); its checkpoint holds
+    the full, unsharded tensors in the one-process format and resumes in one process; a one-process checkpoint
+    resumes under --fsdp (sharded on load) and continues exactly."""
     target, prompts = setup
     assert _torchrun(target, prompts, tmp_path / "fsdp", "--fsdp")["fsdp"]
     _same_as_accumulation(tmp_path / "fsdp", one_process, "fsdp2")
@@ -122,6 +124,13 @@ def test_fsdp_equals_one_process_and_its_checkpoint_is_a_full_one(setup, one_pro
     meta = json.loads((tmp_path / "fsdp" / "train_state" / "state.json").read_text())
     assert meta["info"]["fsdp"] and meta["step"] == 12
     _resume_in_one_process(target, prompts, tmp_path / "fsdp")
+
+    # one process, stopped after 6 of 12 steps -> resumed by 2 processes with --fsdp (the same 2 data streams)
+    half = tmp_path / "half"
+    train_dflash(target, half, prompts, DFlashConfig(**OPTS, grad_accum=2, stop_after=6), progress=False)
+    assert json.loads((half / "train_state" / "state.json").read_text())["step"] == 6
+    assert _torchrun(target, prompts, half, "--fsdp", "--resume")["steps"] == 12
+    _same_as_accumulation(half, one_process, "1proc6+fsdp6")
 
 
 def _chat_target(root: Path, template: bool = True) -> Path:
