@@ -53,20 +53,27 @@ def setup(tmp_path_factory):
     return target, d / "p.jsonl"
 
 
-def _torchrun(target, prompts, out: Path, *extra: str) -> dict:
-    """`torchrun --nproc-per-node 2 --no-python retrace train dflash ...` on CPU (gloo); its metrics line."""
-    cli = {k: v for k, v in OPTS.items() if k not in ("eval_tau_prompts",)}
+def _launch(*args: str) -> dict:
+    """`torchrun --nproc-per-node 2 --no-python retrace train ARGS --quiet --json` on CPU (gloo); its metrics."""
     exe = Path(sys.executable).parent / "retrace"
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
-           str(exe), "train", "dflash", "--target", str(target), "--data", str(prompts), "--out", str(out),
-           "--quiet", "--json", *_cli_args(**cli), *extra]
+           str(exe), "train", *args, "--quiet", "--json"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1  # only rank 0 prints
-    assert lines[0]["world_size"] == 2 and lines[0]["global_batch"] == 8
+    assert lines[0]["world_size"] == 2
     return lines[0]
+
+
+def _torchrun(target, prompts, out: Path, *extra: str) -> dict:
+    """2-process `retrace train dflash` with OPTS."""
+    cli = {k: v for k, v in OPTS.items() if k not in ("eval_tau_prompts",)}
+    m = _launch("dflash", "--target", str(target), "--data", str(prompts), "--out", str(out), *_cli_args(**cli),
+                *extra)
+    assert m["global_batch"] == 8
+    return m
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +138,31 @@ def test_fsdp_equals_one_process_and_its_checkpoint_is_a_full_one(setup, one_pro
     assert json.loads((half / "train_state" / "state.json").read_text())["step"] == 6
     assert _torchrun(target, prompts, half, "--fsdp", "--resume")["steps"] == 12
     _same_as_accumulation(half, one_process, "1proc6+fsdp6")
+
+
+def test_fsdp_conditioner_equals_ddp(setup, tmp_path):
+    """train conditioner under --fsdp (the conditioner sharded, the frozen drafter ignored by FSDP and
+    replicated) gives the weights and the checkpoint of DDP, and that checkpoint resumes in one process."""
+    from helpers import write_drafter
+
+    from retrace.train.conditioner import ConditionerConfig, train_conditioner
+
+    target, prompts = setup
+    drafter = write_drafter(tmp_path / "drafter", target, layers=1, block_size=8)
+    opts = dict(phases=1, steps_per_phase=4, rollout_prompts=12, rollout_batch=12, max_new_tokens=20, val_prompts=8,
+                eval_prompts=0, batch_size=4, blocks_per_seq=6, warmup=1, device="cpu", threads=1)
+    args = ["conditioner", "--target", str(target), "--drafter", str(drafter), "--data", str(prompts), "--reinit",
+            *_cli_args(**opts)]
+    for kind in ("ddp", "fsdp"):
+        m = _launch(*args, "--out", str(tmp_path / kind), *(["--fsdp"] if kind == "fsdp" else []))
+        assert m["fsdp"] == (kind == "fsdp") and m["steps"] == 4
+    for f in ("retrace.safetensors", "train_state/state.safetensors"):
+        a, b = (load_file(str(tmp_path / k / f)) for k in ("ddp", "fsdp"))
+        a, b = ({k: v for k, v in x.items() if not k.startswith("rng.")} for x in (a, b))
+        assert _max_diff(a, b) < 1e-5, f
+    m = train_conditioner(target, drafter, prompts, tmp_path / "fsdp", ConditionerConfig(**{**opts, "phases": 2},
+                          reinit=True), resume=True, progress=False)
+    assert m["phases"] == 2 and m["steps"] == 8 and m["world_size"] == 1
 
 
 def _chat_target(root: Path, template: bool = True) -> Path:
