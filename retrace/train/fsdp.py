@@ -2,7 +2,9 @@
 
 The training forward (`blocks.BlockModel`) is one FSDP unit: its trainable parameters (the drafter's fc,
 norms and layers; the conditioner) are split across the ranks at rest, and so are their gradients
-(reduce-scattered) and the AdamW moments; each micro-batch all-gathers them for its forward and backward.
+(reduce-scattered) and the AdamW moments; each micro-batch all-gathers them for its forward and backward
+(one unit: the full trainable weights exist on each rank while a micro-batch runs; per-layer units would
+need `block_forward`'s per-layer context K/V to run inside the layers' forwards).
 The frozen parameters (a frozen drafter under `train conditioner`) are ignored by FSDP and stay replicated;
 the target, with the shared embedding and LM head, is not a submodule at all. Works with gloo on CPU and
 nccl on CUDA. Gradient clipping sees DTensor gradients, so `clip_grad_norm_` takes the global norm.
