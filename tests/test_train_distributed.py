@@ -78,18 +78,20 @@ def _torchrun(target, prompts, out: Path, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process(setup, tmp_path_factory):
-    """One process with --grad-accum 2 (the same batches as 2 processes x 1) and with 1 (other batches)."""
+    """One process with --grad-accum 2 (the same batches as 2 processes x 1), 4 (as 2 processes x 2) and 1
+    (other batches)."""
     target, prompts = setup
     d = tmp_path_factory.mktemp("one")
-    for a in (2, 1):
+    for a in (2, 4, 1):
         train_dflash(target, d / f"accum{a}", prompts, DFlashConfig(**OPTS, grad_accum=a), progress=False)
-    return {a: load_file(str(d / f"accum{a}" / "model.safetensors")) for a in (2, 1)}
+    return {a: load_file(str(d / f"accum{a}" / "model.safetensors")) for a in (2, 4, 1)}
 
 
-def _same_as_accumulation(out: Path, one_process: dict, what: str) -> None:
-    w, acc2, acc1 = load_file(str(out / "model.safetensors")), one_process[2], one_process[1]
-    same, other = _max_diff(w, acc2), _max_diff(acc2, acc1)
-    print(f"max |w_{what} - w_accum2| = {same:.3e}; max |w_accum2 - w_accum1| = {other:.3e}")
+def _same_as_accumulation(out: Path, one_process: dict, what: str, accum: int = 2) -> None:
+    """out's weights == one process with `accum` (to rounding), far from one with other batches."""
+    w, ref, far = load_file(str(out / "model.safetensors")), one_process[accum], one_process[1]
+    same, other = _max_diff(w, ref), _max_diff(ref, far)
+    print(f"max |w_{what} - w_accum{accum}| = {same:.3e}; max |w_accum{accum} - w_accum1| = {other:.3e}")
     assert same < 1e-4
     assert other > 1000 * same
 
@@ -119,7 +121,7 @@ def test_fsdp_equals_one_process_and_its_checkpoint_is_a_full_one(setup, one_pro
     same weights as one process with twice the accumulation (every step's gradient norm, 1.1-2.2, is above
     --grad-clip 1, so this also shows clipping takes the global norm, not each shard's); its checkpoint holds
     the full, unsharded tensors in the one-process format and resumes in one process; a one-process checkpoint
-    resumes under --fsdp (sharded on load) and continues exactly."""
+    resumes under --fsdp with accumulation (sharded on load) and continues exactly."""
     target, prompts = setup
     assert _torchrun(target, prompts, tmp_path / "fsdp", "--fsdp")["fsdp"]
     _same_as_accumulation(tmp_path / "fsdp", one_process, "fsdp2")
@@ -132,12 +134,15 @@ def test_fsdp_equals_one_process_and_its_checkpoint_is_a_full_one(setup, one_pro
     assert meta["info"]["fsdp"] and meta["step"] == 12
     _resume_in_one_process(target, prompts, tmp_path / "fsdp")
 
-    # one process, stopped after 6 of 12 steps -> resumed by 2 processes with --fsdp (the same 2 data streams)
+    # one process with --grad-accum 4, stopped after 6 of 12 steps -> resumed by 2 processes with --fsdp and
+    # --grad-accum 2 (the same 4 data streams; the gradients reduce-scattered on the last micro-batch only)
     half = tmp_path / "half"
-    train_dflash(target, half, prompts, DFlashConfig(**OPTS, grad_accum=2, stop_after=6), progress=False)
+    train_dflash(target, half, prompts, DFlashConfig(**OPTS, grad_accum=4, stop_after=6), progress=False)
     assert json.loads((half / "train_state" / "state.json").read_text())["step"] == 6
-    assert _torchrun(target, prompts, half, "--fsdp", "--resume")["steps"] == 12
-    _same_as_accumulation(half, one_process, "1proc6+fsdp6")
+    m = _launch("dflash", "--target", str(target), "--data", str(prompts), "--out", str(half), "--fsdp", "--resume",
+                *_cli_args(**{k: v for k, v in OPTS.items() if k != "eval_tau_prompts"}), "--grad-accum", "2")
+    assert m["steps"] == 12 and m["global_batch"] == 16
+    _same_as_accumulation(half, one_process, "1proc6+fsdp6", accum=4)
 
 
 def test_fsdp_conditioner_equals_ddp(setup, tmp_path):
