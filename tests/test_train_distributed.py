@@ -53,39 +53,121 @@ def setup(tmp_path_factory):
     return target, d / "p.jsonl"
 
 
-def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup, tmp_path):
-    """torchrun --nproc-per-node 2 (gloo, CPU) for 12 steps == one process with --grad-accum 2 and the same seed,
-    to rounding; a different batch (one process, --grad-accum 1) lands far away. Then the 2-process
-    checkpoint resumes in one process (a change of world size)."""
-    target, prompts = setup
-    cli = {k: v for k, v in OPTS.items() if k not in ("eval_tau_prompts",)}
+def _launch(*args: str) -> dict:
+    """`torchrun --nproc-per-node 2 --no-python retrace train ARGS --quiet --json` on CPU (gloo); its metrics."""
     exe = Path(sys.executable).parent / "retrace"
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
-           str(exe), "train", "dflash", "--target", str(target), "--data", str(prompts), "--out", str(tmp_path / "ddp"),
-           "--quiet", "--json", *_cli_args(**cli)]
+           str(exe), "train", *args, "--quiet", "--json"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1  # only rank 0 prints
-    assert lines[0]["world_size"] == 2 and lines[0]["global_batch"] == 8
-    assert sorted(p.name for p in (tmp_path / "ddp" / "train_data").iterdir()) == [
-        "responses.json", "taps-rank0-of-2.safetensors", "taps-rank1-of-2.safetensors"]
+    assert lines[0]["world_size"] == 2
+    return lines[0]
 
-    train_dflash(target, tmp_path / "accum2", prompts, DFlashConfig(**OPTS, grad_accum=2), progress=False)
-    train_dflash(target, tmp_path / "accum1", prompts, DFlashConfig(**OPTS, grad_accum=1), progress=False)
-    ddp, acc2, acc1 = (load_file(str(tmp_path / k / "model.safetensors")) for k in ("ddp", "accum2", "accum1"))
-    same, other = _max_diff(ddp, acc2), _max_diff(acc2, acc1)
-    print(f"max |w_ddp2 - w_accum2| = {same:.3e}; max |w_accum2 - w_accum1| = {other:.3e}")
+
+def _torchrun(target, prompts, out: Path, *extra: str) -> dict:
+    """2-process `retrace train dflash` with OPTS."""
+    cli = {k: v for k, v in OPTS.items() if k not in ("eval_tau_prompts",)}
+    m = _launch("dflash", "--target", str(target), "--data", str(prompts), "--out", str(out), *_cli_args(**cli),
+                *extra)
+    assert m["global_batch"] == 8
+    return m
+
+
+@pytest.fixture(scope="module")
+def one_process(setup, tmp_path_factory):
+    """One process with --grad-accum 2 (the same batches as 2 processes x 1), 4 (as 2 processes x 2) and 1
+    (other batches)."""
+    target, prompts = setup
+    d = tmp_path_factory.mktemp("one")
+    for a in (2, 4, 1):
+        train_dflash(target, d / f"accum{a}", prompts, DFlashConfig(**OPTS, grad_accum=a), progress=False)
+    return {a: load_file(str(d / f"accum{a}" / "model.safetensors")) for a in (2, 4, 1)}
+
+
+def _same_as_accumulation(out: Path, one_process: dict, what: str, accum: int = 2) -> None:
+    """out's weights == one process with `accum` (to rounding), far from one with other batches."""
+    w, ref, far = load_file(str(out / "model.safetensors")), one_process[accum], one_process[1]
+    same, other = _max_diff(w, ref), _max_diff(ref, far)
+    print(f"max |w_{what} - w_accum{accum}| = {same:.3e}; max |w_accum{accum} - w_accum1| = {other:.3e}")
     assert same < 1e-4
     assert other > 1000 * same
 
-    # resume the 2-process checkpoint in one process (2 data shards -> 1): continues from step 12
-    m = train_dflash(target, tmp_path / "ddp", prompts, DFlashConfig(**{**OPTS, "steps": 14}), resume=True,
-                     progress=False)
-    assert m["steps"] == 14 and m["world_size"] == 1
-    state = json.loads((tmp_path / "ddp" / "train_state" / "state.json").read_text())
+
+def _resume_in_one_process(target, prompts, out: Path) -> None:
+    """The 2-process checkpoint resumes in one process (2 data shards -> 1) and continues from step 12."""
+    m = train_dflash(target, out, prompts, DFlashConfig(**{**OPTS, "steps": 14}), resume=True, progress=False)
+    assert m["steps"] == 14 and m["world_size"] == 1 and not m["fsdp"]
+    state = json.loads((out / "train_state" / "state.json").read_text())
     assert state["step"] == 14 and state["info"]["streams"] and len(state["info"]["streams"]) == 1
+
+
+def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup, one_process, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo, CPU) for 12 steps == one process with --grad-accum 2 and the same seed,
+    to rounding; a different batch (one process, --grad-accum 1) lands far away. Then the 2-process
+    checkpoint resumes in one process (a change of world size)."""
+    target, prompts = setup
+    assert not _torchrun(target, prompts, tmp_path / "ddp")["fsdp"]
+    assert sorted(p.name for p in (tmp_path / "ddp" / "train_data").iterdir()) == [
+        "responses.json", "taps-rank0-of-2.safetensors", "taps-rank1-of-2.safetensors"]
+    _same_as_accumulation(tmp_path / "ddp", one_process, "ddp2")
+    _resume_in_one_process(target, prompts, tmp_path / "ddp")
+
+
+def test_fsdp_equals_one_process_and_its_checkpoint_is_a_full_one(setup, one_process, tmp_path):
+    """--fsdp (FSDP2 on gloo: the drafter, its gradients and AdamW moments sharded over 2 processes) trains the
+    same weights as one process with twice the accumulation (every step's gradient norm, 1.1-2.2, is above
+    --grad-clip 1, so this also shows clipping takes the global norm, not each shard's); its checkpoint holds
+    the full, unsharded tensors in the one-process format and resumes in one process; a one-process checkpoint
+    resumes under --fsdp with accumulation (sharded on load) and continues exactly."""
+    target, prompts = setup
+    assert _torchrun(target, prompts, tmp_path / "fsdp", "--fsdp")["fsdp"]
+    _same_as_accumulation(tmp_path / "fsdp", one_process, "fsdp2")
+    ref = tmp_path / "ref"
+    train_dflash(target, ref, prompts, DFlashConfig(**{**OPTS, "steps": 1}), progress=False)
+    got, want = (load_file(str(p / "train_state" / "state.safetensors")) for p in (tmp_path / "fsdp", ref))
+    assert {k: v.shape for k, v in got.items() if not k.startswith("rng.")} == {
+        k: v.shape for k, v in want.items() if not k.startswith("rng.")}
+    meta = json.loads((tmp_path / "fsdp" / "train_state" / "state.json").read_text())
+    assert meta["info"]["fsdp"] and meta["step"] == 12
+    _resume_in_one_process(target, prompts, tmp_path / "fsdp")
+
+    # one process with --grad-accum 4, stopped after 6 of 12 steps -> resumed by 2 processes with --fsdp and
+    # --grad-accum 2 (the same 4 data streams; the gradients reduce-scattered on the last micro-batch only)
+    half = tmp_path / "half"
+    train_dflash(target, half, prompts, DFlashConfig(**OPTS, grad_accum=4, stop_after=6), progress=False)
+    assert json.loads((half / "train_state" / "state.json").read_text())["step"] == 6
+    m = _launch("dflash", "--target", str(target), "--data", str(prompts), "--out", str(half), "--fsdp", "--resume",
+                *_cli_args(**{k: v for k, v in OPTS.items() if k != "eval_tau_prompts"}), "--grad-accum", "2")
+    assert m["steps"] == 12 and m["global_batch"] == 16
+    _same_as_accumulation(half, one_process, "1proc6+fsdp6", accum=4)
+
+
+def test_fsdp_conditioner_equals_ddp(setup, tmp_path):
+    """train conditioner under --fsdp (the conditioner sharded, the frozen drafter ignored by FSDP and
+    replicated) gives the weights and the checkpoint of DDP, and that checkpoint resumes in one process."""
+    from helpers import write_drafter
+
+    from retrace.train.conditioner import ConditionerConfig, train_conditioner
+
+    target, prompts = setup
+    drafter = write_drafter(tmp_path / "drafter", target, layers=1, block_size=8)
+    opts = dict(phases=1, steps_per_phase=4, rollout_prompts=12, rollout_batch=12, max_new_tokens=20, val_prompts=8,
+                eval_prompts=0, batch_size=4, blocks_per_seq=6, warmup=1, device="cpu", threads=1)
+    args = ["conditioner", "--target", str(target), "--drafter", str(drafter), "--data", str(prompts), "--reinit",
+            *_cli_args(**opts)]
+    for kind in ("ddp", "fsdp"):
+        m = _launch(*args, "--out", str(tmp_path / kind), *(["--fsdp"] if kind == "fsdp" else []))
+        assert m["fsdp"] == (kind == "fsdp") and m["steps"] == 4
+    for f in ("retrace.safetensors", "train_state/state.safetensors"):
+        a, b = (load_file(str(tmp_path / k / f)) for k in ("ddp", "fsdp"))
+        a, b = ({k: v for k, v in x.items() if not k.startswith("rng.")} for x in (a, b))
+        assert _max_diff(a, b) < 1e-5, f
+    m = train_conditioner(target, drafter, prompts, tmp_path / "fsdp", ConditionerConfig(**{**opts, "phases": 2},
+                          reinit=True), resume=True, progress=False)
+    assert m["phases"] == 2 and m["steps"] == 8 and m["world_size"] == 1
 
 
 def _chat_target(root: Path, template: bool = True) -> Path:

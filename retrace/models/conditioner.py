@@ -91,9 +91,13 @@ class ReTraceConditioner(nn.Module):
             "rms_norm_eps": self.eps,
         }
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the conditioner; `tensors`: its full weights by name instead of its own (gathered by a sharded
+        trainer)."""
         d = Path(directory)
-        atomic_save_tensors(self.state_dict(), d / WEIGHTS_NAME, metadata={"format": FORMAT})
+        own = self.state_dict()
+        atomic_save_tensors(own if tensors is None else {k: tensors[k] for k in own}, d / WEIGHTS_NAME,
+                            metadata={"format": FORMAT})
         atomic_write_text(d / CONFIG_NAME, json.dumps(self.config_dict(), indent=2) + "\n")
 
     @staticmethod

@@ -79,13 +79,20 @@ class DFlashDrafter(nn.Module):
         model.directory = d
         return model.to(dtype or target.lm_head.weight.dtype).eval().requires_grad_(False)
 
-    def save_pretrained(self, directory: str | Path, save_conditioner: bool = True) -> None:
+    def save_pretrained(self, directory: str | Path, save_conditioner: bool = True,
+                        tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the z-lab format; `tensors`: the full weights by state-dict name to write instead of this
+        module's own (a sharded trainer gathers them)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        atomic_save_tensors(self.drafter_state_dict(), d / "model.safetensors", metadata={"format": "pt"})
+        own = self.drafter_state_dict()
+        sd = own if tensors is None else {k: tensors[k] for k in own}
+        atomic_save_tensors(sd, d / "model.safetensors", metadata={"format": "pt"})
         atomic_write_text(d / "config.json", json.dumps(self.config.to_zlab_dict(), indent=2) + "\n")
         if save_conditioner and self.conditioner is not None:
-            self.conditioner.save(d)
+            pre = "conditioner."
+            self.conditioner.save(d, None if tensors is None else
+                                  {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)})
 
     # -- forward ---------------------------------------------------------------------------------------
     def project(self, taps: torch.Tensor) -> torch.Tensor:

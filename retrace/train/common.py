@@ -104,8 +104,7 @@ def log(enabled: bool, tag: str, msg: str) -> None:
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------
-def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = opt.state_dict()
+def _optim_tensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     tensors, scalars = {}, {}
     for idx, st in sd["state"].items():
         for k, v in st.items():
@@ -117,9 +116,10 @@ def _optim_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor],
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
-def save_train_state(out_dir: str | Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer,
+def save_train_state(out_dir: str | Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer | dict,
                      step: int, info: dict, rng: dict[str, torch.Tensor] | None = None) -> Path:
-    """Atomically write `out_dir/train_state/` (see the module docstring). Returns its path."""
+    """Atomically write `out_dir/train_state/` (see the module docstring). Returns its path. `opt`: the optimizer
+    or its full state dict in torch's format (state keyed by parameter index; --fsdp gathers one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     final = out / STATE_DIR
@@ -127,7 +127,7 @@ def save_train_state(out_dir: str | Path, params: dict[str, torch.Tensor], opt: 
     tmp.mkdir()
     try:
         tensors = {f"param.{k}": v.detach().float().cpu().contiguous() for k, v in params.items()}
-        ot, ometa = _optim_tensors(opt)
+        ot, ometa = _optim_tensors(opt if isinstance(opt, dict) else opt.state_dict())
         tensors.update({k: v.detach().cpu().contiguous() for k, v in ot.items()})
         tensors["rng.torch"] = torch.get_rng_state()
         for k, v in (rng or {}).items():
@@ -153,9 +153,9 @@ def has_train_state(out_dir: str | Path) -> bool:
     return (d / "state.json").is_file() and (d / "state.safetensors").is_file()
 
 
-def load_train_state(out_dir: str | Path, params: dict[str, torch.nn.Parameter],
-                     opt: torch.optim.Optimizer) -> tuple[int, dict, dict[str, torch.Tensor]]:
-    """Restore parameters and optimizer in place. Returns (step, info, extra rng tensors)."""
+def read_train_state(out_dir: str | Path, names) -> tuple[int, dict, dict[str, torch.Tensor], dict, dict]:
+    """Read a checkpoint whole: (step, info, {name: full parameter} for `names`, the optimizer state dict in
+    torch's format, rng tensors by name incl. "torch"). Raises a RetraceError for a missing or foreign one."""
     d = Path(out_dir) / STATE_DIR
     if not has_train_state(out_dir):
         raise RetraceError(f"{d}: no training checkpoint to resume from")
@@ -163,12 +163,9 @@ def load_train_state(out_dir: str | Path, params: dict[str, torch.nn.Parameter],
     if meta.get("version") != STATE_VERSION:
         raise RetraceError(f"{d}: training checkpoint version {meta.get('version')} (expected {STATE_VERSION})")
     tensors = load_file(str(d / "state.safetensors"))
-    missing = [k for k in params if f"param.{k}" not in tensors]
+    missing = [k for k in names if f"param.{k}" not in tensors]
     if missing:
         raise RetraceError(f"{d}: checkpoint lacks parameters {missing[:5]} (different model or flags?)")
-    with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(tensors[f"param.{k}"].to(p.dtype))
     om = meta["optimizer"]
     state: dict[int, dict] = {}
     for key, v in tensors.items():
@@ -182,10 +179,21 @@ def load_train_state(out_dir: str | Path, params: dict[str, torch.nn.Parameter],
     for g in groups:
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
-    opt.load_state_dict({"state": state, "param_groups": groups})
-    torch.set_rng_state(tensors["rng.torch"])
-    extra = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.") and k != "rng.torch"}
-    return int(meta["step"]), meta.get("info", {}), extra
+    rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
+    return (int(meta["step"]), meta.get("info", {}), {k: tensors[f"param.{k}"] for k in names},
+            {"state": state, "param_groups": groups}, rng)
+
+
+def load_train_state(out_dir: str | Path, params: dict[str, torch.nn.Parameter],
+                     opt: torch.optim.Optimizer) -> tuple[int, dict, dict[str, torch.Tensor]]:
+    """Restore parameters and optimizer in place. Returns (step, info, extra rng tensors)."""
+    step, info, full, osd, rng = read_train_state(out_dir, list(params))
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(full[k].to(p.dtype))
+    opt.load_state_dict(osd)
+    torch.set_rng_state(rng.pop("torch"))
+    return step, info, rng
 
 
 def clear_train_state(out_dir: str | Path) -> None:

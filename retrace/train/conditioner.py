@@ -33,6 +33,7 @@ from retrace.models.drafter import DFlashDrafter
 from retrace.train import blocks as bl
 from retrace.train import common as cm
 from retrace.train import distributed as dist
+from retrace.train import fsdp as fs
 from retrace.train.dflash import (
     SeqSampler,
     _sha,
@@ -85,7 +86,7 @@ class ConditionerConfig:
     bf16: bool | None = None
     threads: int | None = None
     chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
-    fsdp: bool = False  # --fsdp: not supported yet (retrace.train.distributed.wrap says so)
+    fsdp: bool = False  # --fsdp: shard the trained weights over the torchrun processes (retrace.train.fsdp)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -324,12 +325,13 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
 
     drafter.requires_grad_(False)
     drafter.conditioner.requires_grad_(True)
+    if cfg.unfreeze_drafter:
+        drafter.requires_grad_(True)
+    model = dist.wrap(bl.BlockModel(drafter), d, device, cfg.fsdp) if d.active else None  # --fsdp: shards in place
     named = [(f"conditioner.{n}", p) for n, p in drafter.conditioner.named_parameters()]
     dnamed = []
     if cfg.unfreeze_drafter:
         dnamed = [(n, p) for n, p in drafter.named_parameters() if not n.startswith("conditioner.")]
-        for _, p in dnamed:
-            p.requires_grad_(True)
     params = dict(named + dnamed)
     opt = cm.make_adamw(named, cfg.lr, cfg.weight_decay)
     if dnamed:
@@ -340,7 +342,7 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     rng_name = "rounds" if d.rank == 0 else f"rounds.{d.rank}"
     rgen = torch.Generator().manual_seed(cfg.seed + 11 + 7919 * d.rank)
     if resume and cm.has_train_state(out):
-        step, info, rng = cm.load_train_state(out, params, opt)
+        step, info, rng = fs.load_train_state(out, params, opt, model)
         if info.get("kind") != "conditioner" or info.get("config_sha") != _sha(_resume_key(cfg)):
             raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
                                "start without --resume (or with the same flags)")
@@ -350,24 +352,25 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         else:  # another world size: same weights, optimizer and phase; fresh round picks
             rgen.manual_seed(cfg.seed + 11 + 7919 * d.rank + 104_729 * step)
         cm.log(progress, TAG, f"resumed at phase {phase} (step {step})")
-    model = dist.wrap(bl.BlockModel(drafter), d, device, cfg.fsdp) if d.active else None
 
     def save(phase_now):
         states = d.all_gather(rgen.get_state())
+        full, full_opt = fs.gather_train_state(model, params, opt)  # --fsdp: unsharded, on rank 0
         if d.is_main:
             info = {"kind": "conditioner", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
-                    "phase": phase_now, "world_size": d.world, "history": history}
+                    "phase": phase_now, "world_size": d.world, "fsdp": fs.is_sharded(model), "history": history}
             rng = {("rounds" if r == 0 else f"rounds.{r}"): st for r, st in enumerate(states)}
-            cm.save_train_state(out, params, opt, step, info, rng=rng)
-            if cfg.unfreeze_drafter:
-                drafter.save_pretrained(out)
+            cm.save_train_state(out, full, full_opt, step, info, rng=rng)
+            if cfg.unfreeze_drafter:  # the full weights (gathered under --fsdp)
+                drafter.save_pretrained(out, tensors=full)
             else:
-                drafter.conditioner.save(out)
+                drafter.conditioner.save(out, {k[len("conditioner."):]: v for k, v in full.items()})
         d.barrier()
 
     t0 = time.perf_counter()
-    base_tau = d.main_first(lambda: runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "dflash", device, B,
-                                                cfg.rollout_batch) if eval_p else {})
+    with fs.full_params(model):
+        base_tau = d.main_first(lambda: runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "dflash", device, B,
+                                                    cfg.rollout_batch) if eval_p else {})
     eval_s = time.perf_counter() - t0
     cm.log(progress, TAG, f"{len(train_p)} train / {len(val_p)} val prompts; B={B}; dflash runtime tau on val {base_tau}")
     roll_s = train_s = 0.0
@@ -388,8 +391,9 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         start = (phase * k) % len(train_p)
         prompts = [train_p[(start + i) % len(train_p)] for i in range(min(k, len(train_p)))]
         prompts = prompts[d.rank :: d.world]  # this rank's share of the rollouts
-        ex = collect(target, drafter, prompts, cfg, device, cfg.seed + 7919 * phase + 1_000_003 * d.rank,
-                     cfg.unfreeze_drafter, progress)
+        with fs.full_params(model):
+            ex = collect(target, drafter, prompts, cfg, device, cfg.seed + 7919 * phase + 1_000_003 * d.rank,
+                         cfg.unfreeze_drafter, progress)
         use = ex.usable()
         roll_tau = [t for part in d.all_gather([r.tau for r in ex.rolls if r.tau is not None]) for t in part]
         n_use = d.all_gather(len(use))
@@ -409,7 +413,9 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         if cfg.diagnose_seqs:
             t0 = time.perf_counter()
             sub = Examples([ex.rolls[i] for i in use[: cfg.diagnose_seqs]], [ex.taps[i] for i in use[: cfg.diagnose_seqs]])
-            diag = d.broadcast(diagnose(drafter, sub, B, weights, device, bf16, cfg.batch_size) if d.is_main else None)
+            with fs.full_params(model):
+                diag = d.broadcast(diagnose(drafter, sub, B, weights, device, bf16, cfg.batch_size) if d.is_main
+                                   else None)
             eval_s += time.perf_counter() - t0
             cm.log(progress, TAG, f"phase {phase + 1} fresh rollouts: {diag}")
         # 2. train on them
@@ -452,8 +458,9 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         phase += 1
         # 3. evaluate: real runtime tau with the new conditioner on validation prompts
         t0 = time.perf_counter()
-        rt = d.main_first(lambda: runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "retrace", device, B,
-                                              cfg.rollout_batch) if eval_p else {})
+        with fs.full_params(model):
+            rt = d.main_first(lambda: runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "retrace", device, B,
+                                                  cfg.rollout_batch) if eval_p else {})
         eval_s += time.perf_counter() - t0
         last = {"retrace_tau": rt.get("tau_mean"), "retrace_tau_pooled": rt.get("tau_pooled")}
         rec = {"phase": phase, "step": step, "rollout_tau": round(sum(roll_tau) / max(1, len(roll_tau)), 4),
@@ -477,6 +484,7 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         "config": cfg.to_dict(),
     }
     metrics["world_size"] = d.world
+    metrics["fsdp"] = fs.is_sharded(model)
     if d.is_main:
         atomic_write_text(out / "conditioner_train.json", json.dumps(metrics, indent=2) + "\n")
     return metrics

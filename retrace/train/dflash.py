@@ -31,6 +31,7 @@ from retrace.runtime.tokenizer import TextCodec
 from retrace.train import blocks as bl
 from retrace.train import common as cm
 from retrace.train import distributed as dist
+from retrace.train import fsdp as fs
 from retrace.train.outputs import drop_stale_conditioner
 from retrace.train.rollout import generate, generate_shard, make_backend, run_requests
 
@@ -81,7 +82,7 @@ class DFlashConfig:
     bf16: bool | None = None  # None: on for CUDA, off for CPU
     threads: int | None = None
     chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
-    fsdp: bool = False  # --fsdp: not supported yet (retrace.train.distributed.wrap says so)
+    fsdp: bool = False  # --fsdp: shard the drafter over the torchrun processes (retrace.train.fsdp)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -548,12 +549,14 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     own_val = ([va_idx[j] for j in vpos], (val_anchors[0][vpos], val_anchors[1][vpos]))
 
     def evaluate() -> dict:
-        return evaluate_blocks(drafter, target, data_all, own_val[1], cfg, device, weights, bf16, own_val[0], d)
+        with fs.full_params(model):
+            return evaluate_blocks(drafter, target, data_all, own_val[1], cfg, device, weights, bf16, own_val[0], d)
 
     # model
     drafter = DFlashDrafter(dconf, target).to(device)
     init_drafter(drafter, target, cfg.init, cfg.seed)
     drafter.to(device).train()
+    model = dist.wrap(bl.BlockModel(drafter), d, device, cfg.fsdp) if d.active else None  # --fsdp: shards in place
     named = [(n, p) for n, p in drafter.named_parameters() if not n.startswith("conditioner.")]
     params = dict(named)
     opt = cm.make_adamw(named, cfg.lr, cfg.weight_decay)
@@ -565,7 +568,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     agens = [torch.Generator().manual_seed(stream_seed(s) + 7) for s in range(S)]
     step, history = 0, []
     if resume and cm.has_train_state(out):
-        step, info, rng = cm.load_train_state(out, params, opt)
+        step, info, rng = fs.load_train_state(out, params, opt, model)
         if info.get("kind") != "dflash" or info.get("config_sha") != _sha(_resume_key(cfg)):
             raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
                                "start without --resume (or with the same flags)")
@@ -582,7 +585,6 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
                                   f"{d.world} x grad accum {A}): the data order restarts at epoch {epoch}")
         history = info.get("history", [])
         cm.log(progress, TAG, f"resumed at step {step}")
-    model = dist.wrap(bl.BlockModel(drafter), d, device, cfg.fsdp) if d.active else None
 
     cm.log(progress, TAG, f"{len(tr_idx)} train / {len(va_idx)} val sequences, "
                           f"{sum(p.numel() for p in params.values()) / 1e6:.2f}M drafter params, B={cfg.block_size}, "
@@ -599,13 +601,13 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     def save(step_now):
         owned = {s: (samplers[s].epoch, samplers[s].cursor, agens[s].get_state()) for s in own_streams}
         state = {k: v for part in d.all_gather(owned) for k, v in part.items()}
+        full, full_opt = fs.gather_train_state(model, params, opt)  # --fsdp: unsharded, on rank 0
         if d.is_main:
             info = {"kind": "dflash", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
                     "epoch": state[0][0], "cursor": state[0][1], "streams": [list(state[s][:2]) for s in range(S)],
-                    "world_size": d.world, "history": history}
-            cm.save_train_state(out, params, opt, step_now, info,
-                                rng={_anchor_rng(s): state[s][2] for s in range(S)})
-            drafter.save_pretrained(out, save_conditioner=False)
+                    "world_size": d.world, "fsdp": fs.is_sharded(model), "history": history}
+            cm.save_train_state(out, full, full_opt, step_now, info, rng={_anchor_rng(s): state[s][2] for s in range(S)})
+            drafter.save_pretrained(out, save_conditioner=False, tensors=full)
             drop_stale_conditioner(out)
         d.barrier()
 
@@ -664,15 +666,16 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
 
     t0 = time.perf_counter()
     n_tau = min(cfg.eval_tau_prompts, len(val_p))
-    tau = d.main_first(lambda: runtime_tau(target, drafter, val_p[:n_tau], cfg.eval_tau_new_tokens, "dflash", device)
-                       if n_tau else {})
+    with fs.full_params(model):
+        tau = d.main_first(lambda: runtime_tau(target, drafter, val_p[:n_tau], cfg.eval_tau_new_tokens, "dflash",
+                                               device) if n_tau else {})
     tau_s = time.perf_counter() - t0
     metrics = {
         "kind": "dflash", "steps": step, "train_loss": round(ema, 4) if ema is not None else None,
         "val": last_eval, "val_runtime_tau": tau, "history": history, "mask_row": mask_info,
         "drafter_params": sum(p.numel() for p in params.values()), "target_layer_ids": list(dconf.target_layer_ids),
         "block_size": cfg.block_size, "num_layers": cfg.num_layers, "init": cfg.init, "gamma": gamma,
-        "timed_out": timed_out, "world_size": d.world, "global_batch": cfg.batch_size * A * d.world,
+        "timed_out": timed_out, "world_size": d.world, "fsdp": fs.is_sharded(model), "global_batch": cfg.batch_size * A * d.world,
         "train_sequences": len(tr_idx), "val_sequences": len(va_idx),
         "seconds": {"responses": round(gen_s, 2), "taps": round(taps_s, 2), "train": round(train_s, 2),
                     "steps_per_s": round(steps_run / max(train_s, 1e-9), 3), "eval_tau": round(tau_s, 2),

@@ -154,20 +154,25 @@ def strided(n: int, d: Dist) -> list[int]:
 
 
 def wrap(module: torch.nn.Module, d: Dist, device: torch.device, fsdp: bool = False):
-    """DDP over `module`'s trainable parameters (--fsdp: a clear error for now); the module itself for one process.
+    """DDP over `module`'s trainable parameters, or with --fsdp their FSDP2 shards (retrace.train.fsdp: in place,
+    so build the optimizer from the module's parameters after this); the module itself for one process.
     Returns the wrapped module; call it, never the inner module, for forwards that take gradients."""
     if not d.active:
         return module
-    if fsdp:  # the flag is parsed and checked; sharded checkpoints (gather on save, reshard on resume) are missing
-        raise RetraceError("--fsdp is not supported yet: train with DDP (the default), which replicates the "
-                           "drafter on every process")
+    if fsdp:
+        from retrace.train import fsdp as fs
+
+        return fs.shard(module, d.world, device)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def no_sync(model, last: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch of a step (DDP only)."""
+    """Skip the gradient all-reduce (DDP) / reduce-scatter (FSDP) on all but the last micro-batch of a step."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
     if last or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()
