@@ -209,18 +209,20 @@ def zoo() -> None:
 def zoo_tiny(out_dir, size, seed, force, threads, numerics, quiet) -> None:
     """Build a tiny target + DFlash drafter + ReTrace conditioner offline, deterministically (cached)."""
     from retrace.train import numerics as numerics_mod
-    from retrace.train.zoo import build_zoo
+    from retrace.train.zoo import build_zoo, preflight
 
     if numerics == "portable" and numerics_mod.mode() != "portable":  # MKL/ATen read it at start: a child
-        args = ["zoo", "tiny", "--out", out_dir, "--size", size, "--seed", str(seed), "--numerics", "portable"]
-        args += (["--force"] if force else []) + (["--threads", str(threads)] if threads else [])
-        code, out = numerics_mod.run_portable(args + (["--quiet"] if quiet else []))
-        click.echo(out, nl=False)
-        if code:
-            raise SystemExit(code)
-        return
-
-    man = build_zoo(out_dir, size=size, seed=seed, force=force, progress=not quiet, threads=threads)
+        man = preflight(out_dir, size, seed, force, not quiet, numerics_mode="portable")  # errors, cache hits here
+        if man is None:
+            args = ["zoo", "tiny", "--out", out_dir, "--size", size, "--seed", str(seed), "--numerics", "portable"]
+            args += (["--force"] if force else []) + (["--threads", str(threads)] if threads else [])
+            code, out = numerics_mod.run_portable(args + (["--quiet"] if quiet else []))
+            click.echo(out, nl=False)
+            if code:
+                raise SystemExit(code)
+            return
+    else:
+        man = build_zoo(out_dir, size=size, seed=seed, force=force, progress=not quiet, threads=threads)
     m = man["metrics"]
     click.echo(f"{'cache hit' if man.get('cached') else 'built'}: {out_dir} (size {size}, seed {seed})")
     click.echo(f"  target ppl {m['target_ppl']}, drafter train loss {m['drafter_train_loss']}, mean gate "

@@ -78,12 +78,15 @@ def _versions() -> dict:
             "tokenizers": tokenizers.__version__, "retrace": rv}
 
 
-def zoo_key(size: str, seed: int, preset: dict) -> dict:
+def zoo_key(size: str, seed: int, preset: dict, numerics_mode: str | None = None) -> dict:
+    """numerics_mode: "portable" or "native" (default: this process's, retrace.train.numerics.mode())."""
     from retrace.train import numerics, target_lm, zoo_target
 
+    mode = numerics_mode or numerics.mode()
+    target_stage = zoo_target.stage_key(size, seed, target_lm.get_preset(size))
+    target_stage["train"]["numerics"] = mode
     return {"zoo_version": ZOO_VERSION, "size": size, "seed": int(seed), "preset": preset,
-            "target_stage": zoo_target.stage_key(size, seed, target_lm.get_preset(size)), "versions": _versions(),
-            "numerics": numerics.mode()}
+            "target_stage": target_stage, "versions": _versions(), "numerics": mode}
 
 
 REQUIRED = ["target/config.json", "target/model.safetensors", "target/tokenizer.json", "drafter/config.json",
@@ -98,10 +101,10 @@ def read_manifest(out: str | Path) -> dict | None:
         return None
 
 
-def cached_manifest(out: str | Path, size: str = "small", seed: int = 0) -> dict | None:
+def cached_manifest(out: str | Path, size: str = "small", seed: int = 0, numerics_mode: str | None = None) -> dict | None:
     out = Path(out)
     man = read_manifest(out)
-    if man is None or man.get("key") != zoo_key(size, seed, PRESETS[size]):
+    if man is None or man.get("key") != zoo_key(size, seed, PRESETS[size], numerics_mode):
         return None
     if not all((out / f).is_file() for f in REQUIRED):
         return None
@@ -124,11 +127,26 @@ def _log(progress: bool, msg: str) -> None:
 def build_zoo(out: str | Path, size: str = "small", seed: int = 0, force: bool = False, progress: bool = True,
               threads: int | None = None) -> dict:
     """Build (or reuse) the tiny zoo in `out`; returns the manifest (with "cached": True on a cache hit)."""
+    out = Path(out).absolute()
+    man = preflight(out, size, seed, force, progress)
+    if man is not None:
+        return man
+    from retrace.train import numerics
+
+    with staged_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") as tmp, numerics.deterministic():
+        man = _build(out, tmp, size, seed, force, progress, threads)
+    return dict(man, cached=False)
+
+
+def preflight(out: str | Path, size: str, seed: int, force: bool, progress: bool = True,
+              numerics_mode: str | None = None) -> dict | None:
+    """What build_zoo checks before building: the size, and that `out` may hold this zoo (errors name the
+    problem). -> the manifest (with "cached": True) when `out` already holds exactly this zoo, else None."""
     if size not in PRESETS:
         raise RetraceError(f"unknown zoo size {size!r} (choose from {', '.join(PRESETS)})")
     out = Path(out).absolute()
     if check_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") and not force:
-        man = cached_manifest(out, size, seed)
+        man = cached_manifest(out, size, seed, numerics_mode)
         if man is not None:
             _log(progress, f"cache hit: {out / MANIFEST}")
             return dict(man, cached=True)
@@ -138,11 +156,7 @@ def build_zoo(out: str | Path, size: str = "small", seed: int = 0, force: bool =
                                  f"--force to replace it with size {size!r}, seed {seed} (or choose another --out)")
         _log(progress, f"{out} holds a zoo of size {size}, seed {seed} built with other settings or library "
                        "versions: rebuilding it")
-    from retrace.train import numerics
-
-    with staged_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") as tmp, numerics.deterministic():
-        man = _build(out, tmp, size, seed, force, progress, threads)
-    return dict(man, cached=False)
+    return None
 
 
 def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bool, threads: int | None) -> dict:
