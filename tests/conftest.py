@@ -10,6 +10,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 from helpers import TinyPair, write_drafter, write_target
+from runtime_fixtures import single_thread
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (tiny matrices: faster, and immune to a busy machine's scheduling).
+    Modules use it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    with single_thread():
+        yield
 
 
 @pytest.fixture

@@ -11,14 +11,7 @@ from helpers import max_diff
 from retrace.models.drafter import SuffixInputs
 from retrace.train import blocks as bl
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is faster (and immune to a busy machine's scheduling)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _taps(target, seq):

@@ -17,14 +17,7 @@ from retrace.train.conditioner import ConditionerConfig, Examples, block_losses,
 from retrace.train.dflash import compute_taps
 from retrace.train.rollout import rollout
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is faster (and immune to a busy machine's scheduling)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def prompts(n=12, vocab=128, seed=0):

@@ -14,14 +14,7 @@ from retrace.errors import RetraceError
 from retrace.models.config import DrafterConfig
 from retrace.train.dflash import DFlashConfig, find_mask_token_id, train_dflash
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is faster (and immune to a busy machine's scheduling)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_prompts(path, n=40, vocab=128, seed=0):

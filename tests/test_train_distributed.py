@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import write_target
 from safetensors.torch import load_file
 
@@ -20,13 +19,7 @@ from retrace.train import datasets_io as dio
 from retrace.train.dflash import DFlashConfig, data_streams, prepare_prompts, train_dflash
 from retrace.train.distributed import grad_accum_for
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 OPTS = dict(block_size=8, mask_token_id=127, steps=12, batch_size=4, blocks_per_seq=6, val_prompts=8, max_new_tokens=16,

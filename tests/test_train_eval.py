@@ -6,19 +6,12 @@ import json
 import math
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from retrace.cli import main
 from retrace.train.evaluate import paired_stats
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_paired_stats():
