@@ -123,10 +123,14 @@ def session(device: str | None) -> Iterator[tuple[Dist, torch.device]]:
                                              timeout=datetime.timedelta(minutes=60),
                                              **({"device_id": dev} if dev.type == "cuda" else {}))
         started = True
+    ok = False
     try:
         yield d, dev
+        ok = True
     finally:
         if started:
+            if ok:  # no rank tears gloo down while another still talks to it (SIGABRT at exit otherwise)
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
