@@ -11,6 +11,12 @@ One round for the requests of one mode, top to bottom as in the paper:
 is indexed by absolute position, so nothing is copied when a row accepts fewer tokens than another.
 A verify policy (runtime/verify_policy.py) decides, before 1., whether the round drafts at all and, after
 it, how many drafts K each row sends to 2. (K = 0 is plain decoding; fewer drafts never change the output).
+Tree mode (tree_budget > 0, greedy requests only): 2. verifies a draft tree of at most tree_budget nodes
+per row instead (runtime/draft_tree.py: the drafter's top-k, the previous round's rejected suffix, the
+target's argmax on it), 3. keeps its longest path the target agrees with (runtime/tree_accept.py), the
+backend moves that path's K/V to its absolute positions (commit_path), and 4./5. see the round path (the
+accepted path continued by the drafter's top-1 chain) as a chain round's verify; the verify policy is not
+consulted (the whole block is drafted every round).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch
 
 from retrace.errors import RetraceError
 from retrace.runtime.backend import Backend
+from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees, check_budget, parse_sources
+from retrace.runtime.rejected_trajectory import RejectedTrajectory
 from retrace.runtime.sampling import (
     SamplingParams,
     argmax,
@@ -34,6 +42,7 @@ from retrace.runtime.sampling import (
 from retrace.runtime.stats import AcceptStats, Timing
 from retrace.runtime.suffix_memory import SuffixMemory
 from retrace.runtime.tokenizer import TextCodec
+from retrace.runtime.tree_accept import continue_path, greedy_tree_accept, root_path, source_counts
 from retrace.runtime.verify_policy import FixedPolicy, VerifyPolicy, make_policy
 
 MODES = ("ar", "dflash", "retrace")
@@ -82,9 +91,12 @@ class Event:
 
 class Scheduler:
     def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
-                 eos_ids: tuple[int, ...] | None = None, verify_policy: str | VerifyPolicy = "fixed"):
+                 eos_ids: tuple[int, ...] | None = None, verify_policy: str | VerifyPolicy = "fixed",
+                 tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES):
         """verify_policy: "fixed" (the whole block every round: what training rollouts and `retrace eval`
-        measure), "adaptive" (runtime/verify_policy.py), or a policy object (tests inject one)."""
+        measure), "adaptive" (runtime/verify_policy.py), or a policy object (tests inject one).
+        tree_budget: 0 = chain verification; N >= 2 = a draft tree of <= N nodes (root included) per row
+        from tree_sources ("topk", "suffix", "target"; a comma list or a tuple)."""
         self.backend = backend
         self.codec = codec
         dc = backend.drafter_config
@@ -103,6 +115,12 @@ class Scheduler:
         self.max_batch_seen = 0
         self._ids = itertools.count()
         self.policy = make_policy(verify_policy, backend, self.block_size) if dc is not None else FixedPolicy(1)
+        self.tree_budget = check_budget(tree_budget, self.block_size)
+        self.tree_sources = parse_sources(tree_sources)
+        self.tree_rates = SourceRates()
+        self.trajectory = RejectedTrajectory(backend.max_batch, self.block_size) if dc is not None else None
+        # per source: [tree nodes whose parent was accepted, of those accepted]; and accepted nodes only it gave
+        self.tree_counts = {s: [0, 0] for s in SOURCES}
 
     # -- requests --------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
@@ -119,7 +137,10 @@ class Scheduler:
         vocab = self.backend.target_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RetraceError(f"prompt token ids must be in [0, {vocab})")
-        need = len(prompt_ids) + params.max_new_tokens + self.block_size + 1
+        if self.tree_budget and mode != "ar" and not params.greedy:
+            raise RetraceError("tree verification (tree budget > 0) is greedy only for now: use temperature 0 "
+                               "or tree budget 0")
+        need = len(prompt_ids) + params.max_new_tokens + max(self.block_size, self.tree_budget) + 1
         if need > self.backend.max_seq_len:
             raise RetraceError(
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} + block "
@@ -164,6 +185,7 @@ class Scheduler:
             self.running[req.slot] = req
             if self.memory is not None:
                 self.memory.clear(req.slot)
+                self.trajectory.clear(req.slot)
             admitted.append(req)
         return admitted
 
@@ -192,6 +214,9 @@ class Scheduler:
         anchor_pos = torch.tensor([r.anchor_pos for r in reqs])
         # draft slots the verify policy can use this round (0: no draft call; `ar` never drafts)
         S = self.policy.plan(mode, N) if mode != "ar" else 0
+        tree = self.tree_budget > 0 and mode != "ar"
+        if tree:  # the tree budget, not the verify policy, sets what a round verifies
+            S = self.block_size - 1
 
         # 1. draft (the drafter always fills the whole block; the policy picks K drafts per row to verify)
         hidden = q = draft_logits = verified = None
@@ -207,27 +232,32 @@ class Scheduler:
                                                       anchor_pos.unsqueeze(1) + torch.arange(B), suffix)
             draft_logits = draft_logits[:, :S]
             drafts, q = self._propose(draft_logits, reqs)
-            verified = self.policy.choose(mode, draft_logits, drafts, q)
+            verified = self.policy.choose(mode, draft_logits, drafts, q) if not tree else None
             t_draft = time.perf_counter() - t0
             self.timing.draft += t_draft
         K = int(verified.max()) if verified is not None else 0
 
-        # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
-        t0 = time.perf_counter()
-        block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)
-        positions = anchor_pos.unsqueeze(1) + torch.arange(K + 1)
-        logits, taps = self.backend.target(slots, block[:, : K + 1], positions, torch.arange(K + 1).expand(N, K + 1))
-        t_verify = time.perf_counter() - t0
-        self.timing.verify += t_verify
+        if tree:  # 2.-4. on a draft tree
+            accepted, bonus, drafts, taps, verified = self._tree_round(reqs, slots, anchor, anchor_pos, hidden,
+                                                                       draft_logits, drafts)
+        else:
+            # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
+            t0 = time.perf_counter()
+            block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)
+            positions = anchor_pos.unsqueeze(1) + torch.arange(K + 1)
+            logits, taps = self.backend.target(slots, block[:, : K + 1], positions,
+                                               torch.arange(K + 1).expand(N, K + 1))
+            t_verify = time.perf_counter() - t0
+            self.timing.verify += t_verify
 
-        # 3. accept
-        accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
-        self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
+            # 3. accept
+            accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
+            self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
 
-        # 4. remember the rejected suffix (every drafted slot the target scored; nothing without a draft)
-        if mode == "retrace":
-            self.memory.write(slots, hidden, block, logits, draft_logits, accepted, anchor_pos, target_argmax,
-                              verified)
+            # 4. remember the rejected suffix (every drafted slot the target scored; nothing without a draft)
+            if mode == "retrace":
+                self.memory.write(slots, hidden, block, logits, draft_logits, accepted, anchor_pos,
+                                  target_argmax, verified)
 
         # 5. commit (one conversion to Python lists, not one per element)
         ks = verified.tolist() if verified is not None else [0] * N
@@ -240,6 +270,42 @@ class Scheduler:
             self._commit(r, d[:a] + [b], events)
 
     # -- pieces of a round -----------------------------------------------------------------------------
+    def _tree_round(self, reqs, slots, anchor, anchor_pos, hidden, draft_logits, top1):
+        """Verify and accept a draft tree per row (greedy). -> (accepted [N], bonus [N], path tokens after the
+        anchor [N, D] (the first `accepted` are committed), round path taps [N, D+1] (the drafter's next
+        context), tree nodes verified per row [N])."""
+        N = len(reqs)
+        rows = torch.arange(N)
+        t0 = time.perf_counter()
+        tree = build_trees(draft_logits.float().softmax(-1), anchor, self.tree_budget, self.tree_sources,
+                           self.trajectory.read(slots), self.tree_rates)
+        M = tree.nodes
+        logits, taps = self.backend.target(slots, tree.tokens, anchor_pos.unsqueeze(1) + tree.depth,
+                                           torch.arange(M).expand(N, M), tree_mask=tree.ancestor_mask())
+        accepted, bonus, node, post = greedy_tree_accept(tree, logits)
+        end = continue_path(tree, node, top1)  # the round path: accepted, then the top-1 chain
+        path = root_path(tree, end)
+        path_len = tree.depth[rows, end]
+        L = path.shape[1]
+        self.backend.commit_path(slots, anchor_pos.unsqueeze(1) + path, anchor_pos.unsqueeze(1) + torch.arange(L))
+        self.timing.verify += time.perf_counter() - t0
+        for s, (tries, hits) in source_counts(tree, path, accepted).items():
+            self.tree_rates.observe(s, tries, hits)
+            self.tree_counts[s][0] += tries
+            self.tree_counts[s][1] += hits
+        path_tokens = tree.tokens.gather(1, path)
+        path_taps = taps.gather(1, path.unsqueeze(-1).expand(-1, -1, taps.shape[-1]))
+        path_post = post.gather(1, path)
+        self.trajectory.write(slots, top1, path_post, path_len, accepted)
+        if reqs[0].mode == "retrace":  # the round path is the verified chain the memory remembers
+            block = torch.cat([anchor.unsqueeze(1), top1], dim=1)
+            on = torch.arange(1, L).unsqueeze(0) <= path_len.unsqueeze(1)
+            block[:, 1:L] = torch.where(on, path_tokens[:, 1:], block[:, 1:L])
+            path_logits = logits.gather(1, path.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            self.memory.write(slots, hidden, block, path_logits, draft_logits, accepted, anchor_pos, path_post,
+                              path_len)
+        return accepted, bonus, path_tokens[:, 1:], path_taps, tree.size - 1
+
     def _extend_context(self, r: Request, taps: torch.Tensor, drafted: bool) -> None:
         """The verify taps of this round become the drafter's next context. A round without a draft call
         gave the drafter nothing: its pending taps (up to the anchor) stay and the new ones follow."""
@@ -359,6 +425,7 @@ class Scheduler:
             del self.running[r.slot]
             if self.memory is not None:
                 self.memory.clear(r.slot)
+                self.trajectory.clear(r.slot)
             self.backend.release(r.slot)
             self.free_slots.append(r.slot)
             self.free_slots.sort()
