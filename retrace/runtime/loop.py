@@ -15,7 +15,7 @@ Tree mode (tree_budget > 0, greedy requests only): 2. verifies a draft tree of a
 per row instead (runtime/draft_tree.py: the drafter's top-k, the previous round's rejected suffix, the
 target's argmax on it), 3. keeps its longest path the target agrees with (runtime/tree_accept.py), the
 backend moves that path's K/V to its absolute positions (commit_path), and 4./5. see the round path (the
-accepted path continued by the drafter's top-1 chain) as a chain round's verify; the verify policy is not
+accepted path continued by the best child) as a chain round's verify; the verify policy is not
 consulted (the whole block is drafted every round).
 """
 
@@ -283,7 +283,7 @@ class Scheduler:
         logits, taps = self.backend.target(slots, tree.tokens, anchor_pos.unsqueeze(1) + tree.depth,
                                            torch.arange(M).expand(N, M), tree_mask=tree.ancestor_mask())
         accepted, bonus, node, post = greedy_tree_accept(tree, logits)
-        end = continue_path(tree, node, top1)  # the round path: accepted, then the top-1 chain
+        end = continue_path(tree, node)  # the round path: accepted, then each node's best child
         path = root_path(tree, end)
         path_len = tree.depth[rows, end]
         L = path.shape[1]
@@ -296,11 +296,12 @@ class Scheduler:
         path_tokens = tree.tokens.gather(1, path)
         path_taps = taps.gather(1, path.unsqueeze(-1).expand(-1, -1, taps.shape[-1]))
         path_post = post.gather(1, path)
-        self.trajectory.write(slots, top1, path_post, path_len, accepted)
+        # the round's block: the round path's tokens, then the drafter's top-1 where the tree stopped
+        block = torch.cat([anchor.unsqueeze(1), top1], dim=1)
+        on = torch.arange(1, L).unsqueeze(0) <= path_len.unsqueeze(1)
+        block[:, 1:L] = torch.where(on, path_tokens[:, 1:], block[:, 1:L])
+        self.trajectory.write(slots, block[:, 1:], path_post, path_len, accepted)
         if reqs[0].mode == "retrace":  # the round path is the verified chain the memory remembers
-            block = torch.cat([anchor.unsqueeze(1), top1], dim=1)
-            on = torch.arange(1, L).unsqueeze(0) <= path_len.unsqueeze(1)
-            block[:, 1:L] = torch.where(on, path_tokens[:, 1:], block[:, 1:L])
             path_logits = logits.gather(1, path.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
             self.memory.write(slots, hidden, block, path_logits, draft_logits, accepted, anchor_pos, path_post,
                               path_len)

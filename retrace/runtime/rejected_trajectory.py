@@ -3,10 +3,11 @@ sources of a draft tree (runtime/draft_tree.py).
 
 After a round with anchor at p that accepted a drafts, the next anchor sits at p + a + 1 and old block slot j
 lines up with new slot k = j - a - 1 (the alignment of runtime/suffix_memory.py). For new slots k >= 1:
-  suffix[k] = old d_j, the drafter's top-1 token at old slot j (drafted-but-unverified slots included);
-  target[k] = the target's argmax at old slot j - 1 of the round path (runtime/tree_accept.py: the
-              accepted path continued by the drafter's top-1 chain as far as the tree verified it), -1
-              where the verify did not reach old slot j - 1.
+  suffix[k] = old d_j, the round's block token at old slot j: the round path's token (runtime/tree_accept.py:
+              the accepted path continued by each node's best child as far as the tree goes), then the
+              drafter's top-1 token (drafted-but-unverified slots included);
+  target[k] = the target's argmax at old slot j - 1 of the round path, -1 where the path did not reach
+              old slot j - 1.
 Stored as [slots, B-1] token ids at new slots 1..B-1 (index k - 1), -1 = none. A round without a draft,
 admission and release leave the slot empty.
 """
@@ -28,7 +29,7 @@ class RejectedTrajectory:
 
     def write(self, slots: torch.Tensor, top1: torch.Tensor, path_argmax: torch.Tensor,
               path_len: torch.Tensor, accepted: torch.Tensor) -> None:
-        """top1 [N, S]: the drafter's top-1 tokens at old slots 1..S; path_argmax [N, L+1]: the target's argmax
+        """top1 [N, S]: the round's block tokens at old slots 1..S; path_argmax [N, L+1]: the target's argmax
         at the round path's nodes (old slots 0..L, padded); path_len [N]: each row's L; accepted [N]."""
         N, S = top1.shape
         width = self.suffix.shape[1]

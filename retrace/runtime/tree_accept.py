@@ -6,8 +6,8 @@ the accepted path is the deepest such node's root path. a = its depth, the bonus
 That is exactly what the chain's greedy acceptance gives when the tree is a chain, so the output is the
 target's greedy decode whatever the tree holds.
 
-The round path: the accepted path continued, while the tree has it, by the child holding the drafter's
-top-1 token of the next slot (the chain a plain round would have verified). Its verify logits and taps are
+The round path: the accepted path continued, while the tree has it, by each node's first child (the
+best-scored candidate; in a topk tree the drafter's top-1 token, the chain a plain round would verify). Its verify logits and taps are
 what the rejected-suffix memory and the drafter's next context see (the same meaning as a chain round's).
 """
 
@@ -34,22 +34,20 @@ def greedy_tree_accept(tree: DraftTree, logits: torch.Tensor):
     return accepted, post[rows, node], node, post
 
 
-def continue_path(tree: DraftTree, node: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
-    """From node [N], follow the child holding the drafter's top-1 token top1 [N, S] of the next slot while
-    there is one -> the last node [N]."""
+def continue_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
+    """From node [N], follow the first child (the earliest built: the best-scored) while there is one -> the
+    last node [N]."""
     N, M = tree.tokens.shape
-    rows = torch.arange(N)
-    S = top1.shape[1]
     child_ok = tree.valid() & (torch.arange(M) > 0)
     cur = node.clone()
-    for _ in range(S):
-        d = tree.depth[rows, cur]
-        want = top1.gather(1, d.clamp_max(S - 1).unsqueeze(1))
-        hit = child_ok & (tree.parent == cur.unsqueeze(1)) & (tree.tokens == want) & (d < S).unsqueeze(1)
+    big = torch.full((N, M), M, dtype=torch.int64)
+    idx = torch.arange(M).expand(N, M)
+    for _ in range(int(tree.depth.max()) if tree.depth.numel() else 0):
+        hit = child_ok & (tree.parent == cur.unsqueeze(1))
         found = hit.any(1)
         if not bool(found.any()):
             break
-        cur = torch.where(found, hit.to(torch.int64).argmax(1), cur)
+        cur = torch.where(found, torch.where(hit, idx, big).min(1).values, cur)
     return cur
 
 

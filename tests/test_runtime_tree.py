@@ -1,0 +1,209 @@
+"""Tree verification (runtime/draft_tree.py, tree_accept.py, rejected_trajectory.py): the tree is the
+best-first one, the mask and the greedy acceptance match brute force, and the runtime's output with a tree
+is token-exact with transformers' greedy decode for every source combination, budgets 4..64, batch 1..8,
+`dflash` and `retrace`, with a random drafter and an oracle one (accepted drafts), requests joining and
+leaving."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, single_thread, write_pair
+
+from retrace.errors import RetraceError
+from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.draft_tree import SOURCE_BITS, SourceRates, build_trees, parse_sources
+from retrace.runtime.rejected_trajectory import RejectedTrajectory
+from retrace.runtime.tokenizer import TextCodec
+from retrace.runtime.torch_backend import TorchBackend
+from retrace.runtime.tree_accept import continue_path, greedy_tree_accept, root_path, source_counts
+
+VOCAB = 128
+MAX_NEW = 48
+PROMPT_LENS = [6, 1, 13, 3, 21, 8, 2, 10]
+
+
+def paths(tree, n) -> list[tuple[int, ...]]:
+    """Row n's nodes as token paths from the root (root excluded)."""
+    out = []
+    for m in range(int(tree.size[n])):
+        p, cur = [], m
+        while cur:
+            p.append(int(tree.tokens[n, cur]))
+            cur = int(tree.parent[n, cur])
+        out.append(tuple(reversed(p)))
+    return out
+
+
+# -- construction ------------------------------------------------------------------------------------------
+def test_topk_tree_is_the_best_first_tree():
+    """topk only: the budget's nodes are the highest cumulative draft probabilities (brute force over
+    every path of a small vocabulary), parents before children, distinct sibling tokens."""
+    g = torch.Generator().manual_seed(0)
+    N, S, V = 3, 3, 5
+    probs = torch.rand(N, S, V, generator=g).softmax(-1)
+    for budget in (2, 7, 20):
+        tree = build_trees(probs, torch.tensor([9, 8, 7]), budget, ("topk",))
+        for n in range(N):
+            scores = {}
+            for d in range(1, S + 1):
+                for p in itertools.product(range(V), repeat=d):
+                    scores[p] = float(torch.prod(probs[n, torch.arange(d), torch.tensor(p)]))
+            best = sorted(scores, key=scores.get, reverse=True)[: budget - 1]
+            got = paths(tree, n)
+            assert got[0] == () and int(tree.tokens[n, 0]) == [9, 8, 7][n]
+            assert set(got[1:]) == set(best) and len(got) == budget
+            for m in range(1, int(tree.size[n])):
+                assert int(tree.parent[n, m]) < m
+                assert int(tree.depth[n, m]) == int(tree.depth[n, tree.parent[n, m]]) + 1
+            assert len(set(got)) == len(got)  # distinct sibling tokens
+
+
+def test_chains_join_the_tree_along_their_prefix():
+    """suffix/target chains hang from the root; a chain continues only under its own prefix; a node
+    proposed by several sources keeps all their bits; a chain stops at -1."""
+    N, S, V = 1, 4, 10
+    probs = torch.full((N, S, V), 1.0 / V)
+    chains = {"suffix": torch.tensor([[1, 2, 3, -1]]), "target": torch.tensor([[1, 5, 6, 7]])}
+    rates = SourceRates(prior=0.99)
+    tree = build_trees(probs, torch.tensor([0]), 10, ("suffix", "target"), chains, rates)
+    got = dict(zip(paths(tree, 0), tree.source[0].tolist(), strict=False))
+    assert set(got) == {(), (1,), (1, 2), (1, 2, 3), (1, 5), (1, 5, 6), (1, 5, 6, 7)}
+    assert got[(1,)] == SOURCE_BITS["suffix"] | SOURCE_BITS["target"]
+    assert got[(1, 2, 3)] == SOURCE_BITS["suffix"] and got[(1, 5, 6, 7)] == SOURCE_BITS["target"]
+    # with topk too the budget is shared and every node is still unique
+    tree = build_trees(probs, torch.tensor([0]), 8, ("topk", "suffix", "target"), chains, rates)
+    assert int(tree.size[0]) == 8 and len(set(paths(tree, 0))) == 8
+
+
+def test_ancestor_mask_and_greedy_accept_match_brute_force():
+    g = torch.Generator().manual_seed(3)
+    N, S, V = 4, 5, 3
+    probs = torch.rand(N, S, V, generator=g).softmax(-1)
+    tree = build_trees(probs, torch.tensor([0, 1, 2, 0]), 12, ("topk",))
+    tree.size[3] = 5  # a ragged row (its nodes 5.. become padding)
+    mask = tree.ancestor_mask()
+    logits = torch.randn(N, tree.nodes, V, generator=g) * 3
+    accepted, bonus, node, post = greedy_tree_accept(tree, logits)
+    for n in range(N):
+        size = int(tree.size[n])
+        anc = [{0}]
+        for m in range(1, tree.nodes):
+            anc.append(anc[int(tree.parent[n, m])] | {m} if m < size else {m})
+        for i in range(tree.nodes):
+            assert {j for j in range(tree.nodes) if mask[n, i, j]} == anc[i]
+        ok = [m for m in range(size) if all(m2 == 0 or int(tree.tokens[n, m2]) == int(post[n, tree.parent[n, m2]])
+                                            for m2 in anc[m])]
+        deepest = max(ok, key=lambda m: int(tree.depth[n, m]))
+        assert int(accepted[n]) == int(tree.depth[n, deepest]) and int(node[n]) == deepest
+        assert int(bonus[n]) == int(post[n, deepest])
+    path = root_path(tree, node)
+    for n in range(N):
+        a = int(accepted[n])
+        p = path[n, : a + 1].tolist()
+        assert p[0] == 0 and p[-1] == int(node[n])
+        assert all(int(tree.parent[n, p[d]]) == p[d - 1] for d in range(1, a + 1))
+    counts = source_counts(tree, path, accepted)
+    assert counts["topk"][1] == int(accepted.sum()) and counts["suffix"] == (0, 0)
+    end = continue_path(tree, node)
+    assert bool((tree.depth.gather(1, end.unsqueeze(1)).squeeze(1) >= accepted).all())
+
+
+def test_rejected_trajectory_alignment():
+    """old slot j -> new slot k = j - a - 1: suffix = the drafter's top-1 at j (unverified slots too),
+    target = the round path's target argmax at j - 1 (only where the verify reached it)."""
+    tr = RejectedTrajectory(2, 6)  # S = 5
+    top1 = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]])
+    post = torch.tensor([[30, 31, 32, 33], [40, 41, 42, 42]])  # old slots 0..3 (row 1 padded past L=2)
+    tr.write(torch.tensor([0, 1]), top1, post, torch.tensor([3, 2]), torch.tensor([1, 0]))
+    got = tr.read(torch.tensor([0, 1]))
+    assert got["suffix"].tolist() == [[13, 14, 15, -1, -1], [22, 23, 24, 25, -1]]
+    assert got["target"].tolist() == [[32, 33, -1, -1, -1], [41, 42, -1, -1, -1]]
+
+
+def test_bad_tree_options():
+    with pytest.raises(RetraceError, match="tree sources"):
+        parse_sources("topk,beam")
+    with pytest.raises(RetraceError, match="tree budget"):
+        Runtime(None, tree_budget=1)
+
+
+# -- losslessness ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    with single_thread():
+        root = tmp_path_factory.mktemp("tree")
+        target, drafter = write_pair(root, vocab=VOCAB, block_size=8, conditioner="random", seed=1)
+        hf = load_hf_target(target)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in PROMPT_LENS]
+        greedy = [hf_greedy(hf, p, MAX_NEW + 80) for p in prompts]
+        yield target, drafter, prompts, greedy
+
+
+def run(world, budget, sources, mode, batch, oracle, max_batch=8, block=None):
+    target, drafter, prompts, greedy = world
+    be = TorchBackend.from_dirs(target, drafter, max_batch=max_batch, max_seq_len=256)
+    if oracle:
+        be = OracleDrafter(be, {tuple(p): p + g for p, g in zip(prompts, greedy, strict=True)}, seed=budget)
+    rt = Runtime(be, TextCodec.find(target), block_size=block, verify_policy="fixed", tree_budget=budget,
+                 tree_sources=sources)
+    with single_thread():
+        res = rt.generate(prompts[:batch], SamplingParams(max_new_tokens=MAX_NEW), mode)
+    for i, r in enumerate(res):
+        assert r.token_ids == greedy[i][:MAX_NEW], (budget, sources, mode, batch, oracle, i)
+    return rt.run_stats()
+
+
+@pytest.mark.parametrize("sources", ["topk", "suffix", "target", "topk,suffix", "topk,target", "suffix,target",
+                                     "topk,suffix,target"])
+def test_tree_equals_transformers_every_source_combination(world, sources):
+    """Oracle drafter (accepted drafts, rejected suffixes that are partly right) and a random one.
+    `target` alone never starts: the target's argmax beyond the anchor exists only where an earlier tree
+    verified something, so its trees stay the root (plain decoding, still exact)."""
+    st = run(world, 16, sources, "retrace", 3, oracle=True)
+    used = st["tree"]["source_counts"]
+    if sources == "target":
+        assert st["tau"] == 1.0 and used["target"]["tries"] == 0
+    else:
+        assert st["tau"] > 1.5
+        for s in sources.split(","):
+            assert used[s]["tries"] > 0, used
+    run(world, 16, sources, "dflash", 2, oracle=False)
+
+
+@pytest.mark.parametrize("budget,batch", [(4, 1), (9, 8), (64, 4)])
+def test_tree_equals_transformers_budgets_and_batches(world, budget, batch):
+    for mode in ("dflash", "retrace"):
+        st = run(world, budget, "topk,suffix,target", mode, batch, oracle=True)
+        assert st["tau"] > 1.2
+    run(world, budget, "topk,suffix,target", "retrace", batch, oracle=False)
+
+
+def test_tree_requests_join_and_leave(world):
+    """8 requests in 3 slots: freed slots (and their rejected trajectory) are reused mid-run."""
+    run(world, 12, "topk,suffix,target", "retrace", 8, oracle=True, max_batch=3)
+
+
+def test_tree_refuses_sampling(world):
+    target, drafter, prompts, _ = world
+    rt = Runtime(TorchBackend.from_dirs(target, drafter, max_batch=2, max_seq_len=256), tree_budget=8)
+    with pytest.raises(RetraceError, match="greedy only"):
+        rt.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=1.0), "dflash")
+
+
+def test_tree_budget_zero_is_the_chain(world):
+    """Budget 0 = the chain: same tokens, same acceptance histogram as without the option."""
+    a = run(world, 0, "topk", "retrace", 3, oracle=True)
+    target, drafter, prompts, greedy = world
+    be = OracleDrafter(TorchBackend.from_dirs(target, drafter, max_batch=8, max_seq_len=256),
+                       {tuple(p): p + g for p, g in zip(prompts, greedy, strict=True)}, seed=0)
+    rt = Runtime(be, verify_policy="fixed")
+    with single_thread():
+        rt.generate(prompts[:3], SamplingParams(max_new_tokens=MAX_NEW), "retrace")
+    assert rt.run_stats()["accepted_hist"] == a["accepted_hist"] and "tree" not in a
+
+
+
