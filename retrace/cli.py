@@ -59,7 +59,8 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
 
 
 def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                  verify_bundle: bool = True, verify_policy: str = "adaptive"):
+                  verify_bundle: bool = True, verify_policy: str = "adaptive", tree_budget: int = 0,
+                  tree_sources: str = "topk,suffix,target"):
     """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch)."""
     from retrace.runtime import Runtime
 
@@ -74,7 +75,8 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
         extra = {} if verify_bundle else {"verify": False}
         return Runtime.from_bundle(engine, backend=backend or "onnxruntime", block_size=block_size,
                                    max_batch=max_batch, max_seq_len=max_seq_len, threads=threads,
-                                   verify_policy=verify_policy, **extra)
+                                   verify_policy=verify_policy, tree_budget=tree_budget,
+                                   tree_sources=tree_sources, **extra)
     if target is None:
         raise RetraceError("give --target (and --drafter) or --engine")
     from retrace.models.config import Qwen3Config
@@ -84,7 +86,17 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
         raise RetraceError(f"--max-seq-len {max_seq_len} exceeds the target's max_position_embeddings {max_pos}")
     return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch or 8,
                              max_seq_len=max_seq_len or min(2048, max_pos), block_size=block_size, threads=threads,
-                             verify_policy=verify_policy)
+                             verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources)
+
+
+def tree_options(fn):
+    """--tree-budget / --tree-sources (runtime/draft_tree.py)."""
+    fn = click.option("--tree-sources", default="topk,suffix,target", show_default=True,
+                      help="where a draft tree's candidates come from: topk (the drafter's per-slot top-k), suffix "
+                           "(the previous round's rejected suffix), target (the target's argmax on it)")(fn)
+    return click.option("--tree-budget", type=int, default=0, show_default=True,
+                        help="verify a draft tree of at most N tokens per row and round (root included; greedy "
+                             "only); 0 = the chain")(fn)
 
 
 def verify_policy_option(default: str):
@@ -109,6 +121,7 @@ def runtime_options(fn):
         click.option("--no-verify-bundle", "no_verify_bundle", is_flag=True,
                      help="skip re-hashing the bundle's files on load (sizes are still checked)"),
         verify_policy_option("adaptive"),
+        tree_options,
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -139,7 +152,7 @@ def sampling_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with outputs and stats")
 @cli_errors
 def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
-             verify_policy, prompt, prompt_ids,
+             verify_policy, tree_budget, tree_sources, prompt, prompt_ids,
              prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, as_json) -> None:
     """Generate with speculative decoding (lossless: greedy output equals the target's own)."""
     import json
@@ -154,7 +167,8 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
                             seed=seed, stop=tuple(stop))
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)
     rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                       verify_bundle=not no_verify_bundle, verify_policy=verify_policy)
+                       verify_bundle=not no_verify_bundle, verify_policy=verify_policy, tree_budget=tree_budget,
+                       tree_sources=tree_sources)
     if as_json:
         results = rt.generate(prompts, params, mode)
     else:
