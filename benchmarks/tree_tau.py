@@ -35,17 +35,17 @@ def load_prompts(zoo: Path, limit: int, codec: TextCodec) -> list[list[int]]:
 
 
 def run_config(zoo: Path, prompts, mode: str, budget: int, sources: str, max_new: int, max_batch: int,
-               temperature: float) -> dict:
+               temperature: float, policy: str = "fixed") -> dict:
     max_len = max(len(p) for p in prompts) + max_new + max(budget, 16) + 2
     be = TorchBackend.from_dirs(zoo / "target", zoo / "drafter", max_batch=max_batch, max_seq_len=max_len)
-    rt = Runtime(be, None, verify_policy="fixed", tree_budget=budget, tree_sources=sources)
+    rt = Runtime(be, None, verify_policy=policy, tree_budget=budget, tree_sources=sources)
     t0 = time.perf_counter()
     res = rt.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=0,
                                               ignore_eos=True), mode)
     wall = time.perf_counter() - t0
     st = rt.run_stats()
     return {"tau": st["tau"], "per_prompt": [r.stats["tau"] for r in res], "rounds": st["rounds"],
-            "tokens": st["tokens"], "wall_s": round(wall, 2), "accepted_hist": st["accepted_hist"],
+            "tokens": st["tokens"], "wall_s": round(wall, 2), "tokens_per_s": round(st["tokens"] / wall, 1), "accepted_hist": st["accepted_hist"],
             "tree": st.get("tree"), "outputs": [r.token_ids for r in res]}
 
 
@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--modes", default="retrace,dflash")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chain-policy", default="fixed",
+                    help="verify policy of the chain (fixed: B tokens a round, the equal-verify-tokens baseline; "
+                         "adaptive: the fastest chain, for tokens/s)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,9 +72,10 @@ def main() -> None:
     budget = args.budget or block
     report = {"settings": {"zoo": str(args.zoo), "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                            "budget": budget, "block_size": block, "temperature": 0.0, "max_batch": args.max_batch,
-                           "threads": args.threads}, "modes": {}}
+                           "threads": args.threads, "chain_policy": args.chain_policy}, "modes": {}}
     for mode in args.modes.split(","):
-        configs = {"chain": run_config(args.zoo, prompts, mode, 0, "topk", args.max_new_tokens, args.max_batch, 0.0)}
+        configs = {"chain": run_config(args.zoo, prompts, mode, 0, "topk", args.max_new_tokens, args.max_batch, 0.0,
+                                       args.chain_policy)}
         for sources in args.trees.split(";"):
             configs[f"tree:{sources}"] = run_config(args.zoo, prompts, mode, budget, sources, args.max_new_tokens,
                                                     args.max_batch, 0.0)
@@ -95,7 +99,7 @@ def main() -> None:
         print(mode, "outputs_equal", out["outputs_equal"])
         for name, c in out["configs"].items():
             counts = c["tree"]["source_counts"] if c["tree"] else ""
-            print(f"  {name:28s} tau {c['tau']:.3f}  wall {c['wall_s']:.1f}s  {counts}")
+            print(f"  {name:28s} tau {c['tau']:.3f}  wall {c['wall_s']:.1f}s  {c['tokens_per_s']} tok/s  {counts}")
         for name, p in out["paired"].items():
             print(f"  {name:42s} diff {p['mean_diff']:+.3f} se {p['se']:.3f} t {p['t']} ratio {p['ratio']}")
     if args.json:

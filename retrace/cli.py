@@ -95,8 +95,8 @@ def tree_options(fn):
                       help="where a draft tree's candidates come from: topk (the drafter's per-slot top-k), suffix "
                            "(the previous round's rejected suffix), target (the target's argmax on it)")(fn)
     return click.option("--tree-budget", type=int, default=0, show_default=True,
-                        help="verify a draft tree of at most N tokens per row and round (root included; greedy "
-                             "only); 0 = the chain")(fn)
+                        help="verify a draft tree of at most N tokens per row and round (root included); "
+                             "0 = the chain")(fn)
 
 
 def verify_policy_option(default: str):

@@ -18,7 +18,13 @@ from retrace.runtime.draft_tree import SOURCE_BITS, SourceRates, build_trees, pa
 from retrace.runtime.rejected_trajectory import RejectedTrajectory
 from retrace.runtime.tokenizer import TextCodec
 from retrace.runtime.torch_backend import TorchBackend
-from retrace.runtime.tree_accept import continue_path, greedy_tree_accept, root_path, source_counts
+from retrace.runtime.tree_accept import (
+    continue_path,
+    greedy_tree_accept,
+    root_path,
+    sample_tree_accept,
+    source_counts,
+)
 
 VOCAB = 128
 MAX_NEW = 48
@@ -187,11 +193,69 @@ def test_tree_requests_join_and_leave(world):
     run(world, 12, "topk,suffix,target", "retrace", 8, oracle=True, max_batch=3)
 
 
-def test_tree_refuses_sampling(world):
-    target, drafter, prompts, _ = world
-    rt = Runtime(TorchBackend.from_dirs(target, drafter, max_batch=2, max_seq_len=256), tree_budget=8)
-    with pytest.raises(RetraceError, match="greedy only"):
-        rt.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=1.0), "dflash")
+def _walks(tree, p, n, rule):
+    g = torch.Generator().manual_seed(0)
+    return [rule(tree, 0, p, g) for _ in range(n)]
+
+
+def test_tree_sampling_is_the_target_distribution():
+    """The sampling walk: the first emitted token ~ p(root), and after accepting child c the next ~ p(c)
+    (chi-square at alpha 0.01, N = 6000); a wrong rule (accept the best child whenever it is sampled
+    or with probability 1/2 otherwise) fails the same check."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(1)
+    V = 6
+    tree = build_trees(torch.rand(1, 3, V, generator=g).softmax(-1), torch.tensor([0]), 5, ("topk",))
+    p = torch.rand(tree.nodes, V, generator=g).pow(2)
+    p = p / p.sum(-1, keepdim=True)
+    child = {int(tree.tokens[0, m]): m for m in range(1, int(tree.size[0])) if int(tree.parent[0, m]) == 0}
+
+    def emitted(res):
+        """(first token, second token or None) of each walk."""
+        out = []
+        for _a, bonus, node in res:
+            path = root_path(tree, torch.tensor([node]))[0].tolist()
+            toks = [int(tree.tokens[0, m]) for m in path[1:]] + [bonus]
+            out.append((toks[0], toks[1] if len(toks) > 1 else None))
+        return out
+
+    def check(res) -> bool:
+        em = emitted(res)
+        n = len(em)
+        first = torch.bincount(torch.tensor([f for f, _ in em]), minlength=V).float()
+        ok = chisquare(first, p[0] * n).pvalue > 0.01
+        for t, m in child.items():
+            second = [s for f, s in em if f == t]
+            counts = torch.bincount(torch.tensor(second), minlength=V).float()
+            ok &= chisquare(counts, p[m] * len(second)).pvalue > 0.01
+        return ok
+
+    assert check(_walks(tree, p, 6000, sample_tree_accept))
+
+    def greedy_biased(tree, row, p, gen):
+        a, b, node = sample_tree_accept(tree, row, p, gen)
+        if a == 0 and torch.rand(1, generator=gen) < 0.5:  # wrong: force the first child
+            m = min(child.values())
+            return 1, int(torch.multinomial(p[m], 1, generator=gen)), m
+        return a, b, node
+
+    assert not check(_walks(tree, p, 6000, greedy_biased))
+
+
+def test_tree_sampling_runs_in_the_runtime(world):
+    """T>0 with a tree: seeded runs repeat, drafts get accepted (oracle drafter at low temperature)."""
+    target, drafter, prompts, greedy = world
+    outs = []
+    for _ in range(2):
+        be = OracleDrafter(TorchBackend.from_dirs(target, drafter, max_batch=4, max_seq_len=256),
+                           {tuple(p): p + g for p, g in zip(prompts, greedy, strict=True)}, seed=0)
+        rt = Runtime(be, verify_policy="fixed", tree_budget=12)
+        with single_thread():
+            res = rt.generate(prompts[:4], SamplingParams(max_new_tokens=24, temperature=0.3, seed=7), "retrace")
+        outs.append([r.token_ids for r in res])
+        assert rt.run_stats()["tau"] > 1.0 and all(len(r.token_ids) == 24 for r in res)
+    assert outs[0] == outs[1]
 
 
 def test_tree_budget_zero_is_the_chain(world):

@@ -11,7 +11,7 @@ One round for the requests of one mode, top to bottom as in the paper:
 is indexed by absolute position, so nothing is copied when a row accepts fewer tokens than another.
 A verify policy (runtime/verify_policy.py) decides, before 1., whether the round drafts at all and, after
 it, how many drafts K each row sends to 2. (K = 0 is plain decoding; fewer drafts never change the output).
-Tree mode (tree_budget > 0, greedy requests only): 2. verifies a draft tree of at most tree_budget nodes
+Tree mode (tree_budget > 0): 2. verifies a draft tree of at most tree_budget nodes
 per row instead (runtime/draft_tree.py: the drafter's top-k, the previous round's rejected suffix, the
 target's argmax on it), 3. keeps its longest path the target agrees with (runtime/tree_accept.py), the
 backend moves that path's K/V to its absolute positions (commit_path), and 4./5. see the round path (the
@@ -42,7 +42,13 @@ from retrace.runtime.sampling import (
 from retrace.runtime.stats import AcceptStats, Timing
 from retrace.runtime.suffix_memory import SuffixMemory
 from retrace.runtime.tokenizer import TextCodec
-from retrace.runtime.tree_accept import continue_path, greedy_tree_accept, root_path, source_counts
+from retrace.runtime.tree_accept import (
+    continue_path,
+    greedy_tree_accept,
+    root_path,
+    sample_tree_accept,
+    source_counts,
+)
 from retrace.runtime.verify_policy import FixedPolicy, VerifyPolicy, make_policy
 
 MODES = ("ar", "dflash", "retrace")
@@ -137,9 +143,6 @@ class Scheduler:
         vocab = self.backend.target_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RetraceError(f"prompt token ids must be in [0, {vocab})")
-        if self.tree_budget and mode != "ar" and not params.greedy:
-            raise RetraceError("tree verification (tree budget > 0) is greedy only for now: use temperature 0 "
-                               "or tree budget 0")
         need = len(prompt_ids) + params.max_new_tokens + max(self.block_size, self.tree_budget) + 1
         if need > self.backend.max_seq_len:
             raise RetraceError(
@@ -271,7 +274,7 @@ class Scheduler:
 
     # -- pieces of a round -----------------------------------------------------------------------------
     def _tree_round(self, reqs, slots, anchor, anchor_pos, hidden, draft_logits, top1):
-        """Verify and accept a draft tree per row (greedy). -> (accepted [N], bonus [N], path tokens after the
+        """Verify and accept a draft tree per row (greedy, or the sampling walk of runtime/tree_accept.py). -> (accepted [N], bonus [N], path tokens after the
         anchor [N, D] (the first `accepted` are committed), round path taps [N, D+1] (the drafter's next
         context), tree nodes verified per row [N])."""
         N = len(reqs)
@@ -283,6 +286,10 @@ class Scheduler:
         logits, taps = self.backend.target(slots, tree.tokens, anchor_pos.unsqueeze(1) + tree.depth,
                                            torch.arange(M).expand(N, M), tree_mask=tree.ancestor_mask())
         accepted, bonus, node, post = greedy_tree_accept(tree, logits)
+        for i, p in enumerate(_sampling_probs(logits, reqs)):  # sampling rows: the tree walk
+            if p is not None:
+                a, b, m = sample_tree_accept(tree, i, p, reqs[i].generator)
+                accepted[i], bonus[i], node[i] = a, b, m
         end = continue_path(tree, node)  # the round path: accepted, then each node's best child
         path = root_path(tree, end)
         path_len = tree.depth[rows, end]

@@ -6,6 +6,14 @@ the accepted path is the deepest such node's root path. a = its depth, the bonus
 That is exactly what the chain's greedy acceptance gives when the tree is a chain, so the output is the
 target's greedy decode whatever the tree holds.
 
+Sampling (T>0): walk from the root; at each node draw x ~ p(node) (the target's processed distribution
+there); if a child holds x, move to it and repeat, else x is the bonus and the walk stops. Every emitted
+token is a draw from the target's distribution given the tokens before it, so the output distribution is
+exactly the target's (lossless); a node's acceptance probability is the target mass of its children's
+tokens. The tree is built from the drafter's distribution alone, never from these draws. With
+deterministic candidates this is what SpecInfer's recursive rejection sampling reduces to: try child t_i
+with probability r(t_i), on rejection zero t_i in r and renormalise, after the last child sample from r.
+
 The round path: the accepted path continued, while the tree has it, by each node's first child (the
 best-scored candidate; in a topk tree the drafter's top-1 token, the chain a plain round would verify). Its verify logits and taps are
 what the rejected-suffix memory and the drafter's next context see (the same meaning as a chain round's).
@@ -81,3 +89,21 @@ def source_counts(tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor) -
     hit = child & on_path
     return {s: (int((child & (tree.source & b > 0)).sum()), int((hit & (tree.source & b > 0)).sum()))
             for s, b in SOURCE_BITS.items()}
+
+
+def sample_tree_accept(tree: DraftTree, row: int, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int, int]:
+    """One sampling row. p [M, V]: the target's processed probabilities at every node -> (accepted a, bonus
+    token, accepted node)."""
+    size = int(tree.size[row])
+    children: dict[tuple[int, int], int] = {}
+    for m, (par, tok) in enumerate(zip(tree.parent[row, :size].tolist(), tree.tokens[row, :size].tolist(),
+                                       strict=True)):
+        if m:
+            children[(par, tok)] = m
+    node, a = 0, 0
+    while True:
+        x = int(torch.multinomial(p[node], 1, generator=gen))
+        nxt = children.get((node, x))
+        if nxt is None:
+            return a, x, node
+        node, a = nxt, a + 1
