@@ -1,5 +1,6 @@
 """tau of tree verification against the chain at equal verify tokens per round (issue 14), per prompt and
-paired, with per-source acceptance counts. Greedy (T=0): every configuration's output must be the same.
+paired, with per-source acceptance counts. Greedy (T=0): every configuration's output must be the same
+(--temperature 1: seeded sampling, tau still paired per prompt).
 
     .venv/bin/python benchmarks/tree_tau.py --zoo /work/artifacts/zoo-small --limit 64 --max-new-tokens 64 \
         --json /tmp/tree_tau.json
@@ -7,8 +8,9 @@ paired, with per-source acceptance counts. Greedy (T=0): every configuration's o
 Configurations: chain (the whole block, B tokens a round: the fixed verify policy) and trees of --budget
 nodes (default B, the chain's verify tokens) from each --trees source set. Paired statistics are against the
 chain and against the `topk` tree (retrace.train.evaluate.paired_stats: mean per-prompt difference, its
-standard error, t = mean / se). Source counts: tree nodes whose parent was accepted (tries) and those
-accepted, per source (a node several sources proposed counts for each).
+standard error, t = mean / se). Source counts: tree nodes whose parent was accepted (tries), those
+accepted, per source (a node several sources proposed counts for each), and the accepted ones no other
+source proposed (accepted_only).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main() -> None:
                     help="source sets separated by ';'")
     ap.add_argument("--modes", default="retrace,dflash")
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.0, help="T > 0: sampled (seeded) outputs differ")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--chain-policy", default="fixed",
                     help="verify policy of the chain (fixed: B tokens a round, the equal-verify-tokens baseline; "
@@ -71,16 +74,17 @@ def main() -> None:
     block = json.loads((args.zoo / "drafter" / "config.json").read_text()).get("block_size", 16)
     budget = args.budget or block
     report = {"settings": {"zoo": str(args.zoo), "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                           "budget": budget, "block_size": block, "temperature": 0.0, "max_batch": args.max_batch,
+                           "budget": budget, "block_size": block, "temperature": args.temperature, "max_batch": args.max_batch,
                            "threads": args.threads, "chain_policy": args.chain_policy}, "modes": {}}
     for mode in args.modes.split(","):
-        configs = {"chain": run_config(args.zoo, prompts, mode, 0, "topk", args.max_new_tokens, args.max_batch, 0.0,
-                                       args.chain_policy)}
+        configs = {"chain": run_config(args.zoo, prompts, mode, 0, "topk", args.max_new_tokens, args.max_batch,
+                                       args.temperature, args.chain_policy)}
         for sources in args.trees.split(";"):
             configs[f"tree:{sources}"] = run_config(args.zoo, prompts, mode, budget, sources, args.max_new_tokens,
-                                                    args.max_batch, 0.0)
+                                                    args.max_batch, args.temperature)
         first = configs["chain"]["outputs"]
-        out = {"outputs_equal": all(c["outputs"] == first for c in configs.values()), "configs": {}, "paired": {}}
+        same = all(c["outputs"] == first for c in configs.values())
+        out = {"outputs_equal": same if args.temperature == 0 else None, "configs": {}, "paired": {}}
         for name, c in configs.items():
             out["configs"][name] = {k: v for k, v in c.items() if k != "outputs"}
         chain = configs["chain"]["per_prompt"]

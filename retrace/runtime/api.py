@@ -162,7 +162,8 @@ class Runtime:
             "backend": self.backend.name,
             "verify_policy": sched.policy.name,
             **({"tree": {"budget": sched.tree_budget, "sources": list(sched.tree_sources),
-                         "source_counts": {s: {"tries": t, "accepted": h} for s, (t, h) in sched.tree_counts.items()}}}
+                         "source_counts": {s: {"tries": t, "accepted": h, "accepted_only": o}
+                                           for s, (t, h, o) in sched.tree_counts.items()}}}
                if sched.tree_budget else {}),
         }
 

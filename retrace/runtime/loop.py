@@ -125,8 +125,8 @@ class Scheduler:
         self.tree_sources = parse_sources(tree_sources)
         self.tree_rates = SourceRates()
         self.trajectory = RejectedTrajectory(backend.max_batch, self.block_size) if dc is not None else None
-        # per source: [tree nodes whose parent was accepted, of those accepted]; and accepted nodes only it gave
-        self.tree_counts = {s: [0, 0] for s in SOURCES}
+        # per source: [tree nodes whose parent was accepted, of those accepted, accepted that only it proposed]
+        self.tree_counts = {s: [0, 0, 0] for s in SOURCES}
 
     # -- requests --------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
@@ -296,10 +296,10 @@ class Scheduler:
         L = path.shape[1]
         self.backend.commit_path(slots, anchor_pos.unsqueeze(1) + path, anchor_pos.unsqueeze(1) + torch.arange(L))
         self.timing.verify += time.perf_counter() - t0
-        for s, (tries, hits) in source_counts(tree, path, accepted).items():
+        for s, (tries, hits, only) in source_counts(tree, path, accepted).items():
             self.tree_rates.observe(s, tries, hits)
-            self.tree_counts[s][0] += tries
-            self.tree_counts[s][1] += hits
+            for j, c in enumerate((tries, hits, only)):
+                self.tree_counts[s][j] += c
         path_tokens = tree.tokens.gather(1, path)
         path_taps = taps.gather(1, path.unsqueeze(-1).expand(-1, -1, taps.shape[-1]))
         path_post = post.gather(1, path)
