@@ -229,13 +229,14 @@ main.add_command(eval_cmd)
               help="cProfile one batch-1 run of the headline retrace system into this file")
 @click.option("--readme-table", is_flag=True, help="print the results as a markdown table (for the README)")
 @verify_policy_option("adaptive")
+@tree_options
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
-          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, markdown_out,
-          from_json) -> None:
+          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, tree_budget,
+          tree_sources, markdown_out, from_json) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -246,7 +247,7 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   json_out=json_out, plot_out=plot_out,
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()),
-                  verify_policy=verify_policy)
+                  verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources)
 
 
 if __name__ == "__main__":

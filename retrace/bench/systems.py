@@ -71,8 +71,8 @@ class _SeqStats(AcceptStats):
 
     seq: list[int] = field(default_factory=list)
 
-    def record(self, accepted: int, verified: int = 0) -> None:
-        super().record(accepted, verified)
+    def record(self, accepted: int, verified: int = 0, drafted: int = 0) -> None:
+        super().record(accepted, verified, drafted)
         self.seq.append(int(accepted))
 
 
