@@ -112,7 +112,7 @@ def test_ancestor_mask_and_greedy_accept_match_brute_force():
         assert p[0] == 0 and p[-1] == int(node[n])
         assert all(int(tree.parent[n, p[d]]) == p[d - 1] for d in range(1, a + 1))
     counts = source_counts(tree, path, accepted)
-    assert counts["topk"][1] == counts["topk"][2] == int(accepted.sum()) and counts["suffix"] == (0, 0, 0)
+    assert counts["topk"][1] == counts["topk"][3] == int(accepted.sum()) and counts["suffix"] == (0, 0, 0, 0)
     end = continue_path(tree, node)
     assert bool((tree.depth.gather(1, end.unsqueeze(1)).squeeze(1) >= accepted).all())
 

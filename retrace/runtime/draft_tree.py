@@ -16,8 +16,9 @@ Sources (each proposes children of a node; a node proposed by several keeps all 
   target  the target's argmax at old slot j-1 of the rejected verify, at the same new slot k.
 The suffix and target sources are chains from the root: a node continues a chain only if its whole root
 path is that chain's prefix. Their children score s * max(q_k(t), rate), rate the source's measured
-acceptance rate (SourceRates: accepted / proposed among nodes whose parent was accepted), so the budget
-goes to whichever candidates have been paying. Best-first = the budget's nodes with the highest scores
+marginal acceptance rate (SourceRates: accepted / proposed among the nodes only that source proposed whose
+parent was accepted), so the budget goes to rejected-trajectory candidates only while they add tokens the
+drafter's top-k does not already hold. Best-first = the budget's nodes with the highest scores
 among the candidates of nodes already in the tree (a heap; each popped node pushes its best top-k child,
 its next top-k sibling, and its chains' next tokens).
 """
@@ -81,7 +82,8 @@ class DraftTree:
 
 
 class SourceRates:
-    """Per-source acceptance rate of tree nodes whose parent was accepted (a running count with a prior)."""
+    """Per-source acceptance rate of the tree nodes only that source proposed, whose parent was accepted
+    (a running count with a prior)."""
 
     def __init__(self, prior: float = 0.5, weight: float = 4.0):
         self.hits = {s: prior * weight for s in SOURCES}

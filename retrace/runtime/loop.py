@@ -296,9 +296,9 @@ class Scheduler:
         L = path.shape[1]
         self.backend.commit_path(slots, anchor_pos.unsqueeze(1) + path, anchor_pos.unsqueeze(1) + torch.arange(L))
         self.timing.verify += time.perf_counter() - t0
-        for s, (tries, hits, only) in source_counts(tree, path, accepted).items():
-            self.tree_rates.observe(s, tries, hits)
-            for j, c in enumerate((tries, hits, only)):
+        for s, (tries, hits, only_tries, only_hits) in source_counts(tree, path, accepted).items():
+            self.tree_rates.observe(s, only_tries, only_hits)  # what a source adds beyond the others
+            for j, c in enumerate((tries, hits, only_hits)):
                 self.tree_counts[s][j] += c
         path_tokens = tree.tokens.gather(1, path)
         path_taps = taps.gather(1, path.unsqueeze(-1).expand(-1, -1, taps.shape[-1]))

@@ -78,9 +78,10 @@ def root_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
     return path
 
 
-def source_counts(tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor) -> dict[str, tuple[int, int, int]]:
-    """Per source: (tries, hits, hits only it proposed) = its nodes whose parent is on the accepted path,
-    those accepted, and the accepted ones no other source proposed."""
+def source_counts(tree: DraftTree, path: torch.Tensor,
+                  accepted: torch.Tensor) -> dict[str, tuple[int, int, int, int]]:
+    """Per source: (tries, hits, tries only, hits only) = its nodes whose parent is on the accepted path,
+    those accepted, and the same two counts for the nodes no other source proposed."""
     N, M = tree.tokens.shape
     on_path = torch.zeros(N, M, dtype=torch.bool)
     keep = torch.arange(path.shape[1]).unsqueeze(0) <= accepted.unsqueeze(1)
@@ -89,7 +90,7 @@ def source_counts(tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor) -
     child = tree.valid() & (torch.arange(M) > 0) & on_path.gather(1, tree.parent)
     hit = child & on_path
     return {s: (int((child & (tree.source & b > 0)).sum()), int((hit & (tree.source & b > 0)).sum()),
-                int((hit & (tree.source == b)).sum()))
+                int((child & (tree.source == b)).sum()), int((hit & (tree.source == b)).sum()))
             for s, b in SOURCE_BITS.items()}
 
 
