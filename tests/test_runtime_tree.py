@@ -9,8 +9,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import test_runtime_sampling as ts
 import torch
 from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, single_thread, write_pair
+from test_runtime_sampling import pair  # noqa: F401  (the vocab-8 pair of the sampling tests)
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
@@ -271,3 +273,21 @@ def test_tree_budget_zero_is_the_chain(world):
 
 
 
+
+
+def test_tree_sampling_matches_target_distribution_end_to_end(pair):  # noqa: F811
+    """The runtime with trees at T=1: the chi-square check of tests/test_runtime_sampling.py (exact joint of
+    new tokens 2-3 and 4-5 from transformers' probabilities) on the same tiny vocab-8 pair."""
+    target, drafter, logits = pair
+    params, n = ts.CONFIGS["T1"]
+    with single_thread():
+        rt = Runtime.from_dirs(target, drafter, max_batch=64, max_seq_len=24, verify_policy="fixed", tree_budget=6)
+        sched = rt.scheduler()
+        reqs = [sched.add(ts.PROMPT, SamplingParams(max_new_tokens=ts.NEW, seed=i, **params), "retrace")
+                for i in range(n)]
+        while sched.has_work:
+            sched.step()
+    outs = [tuple(r.output_ids) for r in reqs]
+    for name, (p_value, df, power) in ts.check(outs, ts.exact_joint(logits, params)).items():
+        assert power > 0.9 and p_value > ts.ALPHA, f"tree T1 {name}: chi-square p={p_value:.2e} (df {df})"
+    assert rt.run_stats()["tau"] > 1.1
