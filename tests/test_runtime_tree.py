@@ -245,6 +245,47 @@ def test_tree_sampling_is_the_target_distribution():
     assert not check(_walks(tree, p, 6000, greedy_biased))
 
 
+def test_sampled_tree_rule_is_the_target_distribution():
+    """A sampling row's tree: a freshly sampled draft chain (x ~ q) beside fixed suffix and target chains;
+    the recursive rule gives token 1 ~ p(root) and token 2 | token 1 ~ p(token 1) (chi-square, alpha
+    0.01, N = 4000); the shape does not depend on the draws."""
+    from scipy.stats import chisquare
+
+    V, S, n = 5, 2, 4000
+    g = torch.Generator().manual_seed(2)
+    q = torch.rand(S, V, generator=g).pow(2)
+    q = q / q.sum(-1, keepdim=True)
+    dist = {}
+
+    def p_of(path: tuple) -> torch.Tensor:  # the target's distribution after a path (fixed random)
+        if path not in dist:
+            x = torch.rand(V, generator=g).pow(3) + 0.01
+            dist[path] = x / x.sum()
+        return dist[path]
+
+    chains = {"suffix": torch.tensor([[1, 2]]), "target": torch.tensor([[3, 1]])}
+    draws = torch.Generator().manual_seed(3)
+    em, shapes = [], set()
+    for _ in range(n):
+        x = torch.multinomial(q, 1, generator=draws).T  # [1, S]
+        tree = build_trees(q.unsqueeze(0), torch.tensor([0]), 6, ("topk", "suffix", "target"), chains,
+                           SourceRates(prior=0.6), sampled=x)
+        shapes.add((tuple(tree.parent[0].tolist()), tuple(tree.source[0].tolist())))
+        paths_ = paths(tree, 0)
+        p = torch.stack([p_of(pt) for pt in paths_])
+        a, bonus, node = sample_tree_accept(tree, 0, p, draws, q)
+        toks = list(paths_[node]) + [bonus]
+        em.append((toks[0], toks[1] if len(toks) > 1 else None))
+    assert len(shapes) == 1  # the same shape whatever was sampled
+    first = torch.bincount(torch.tensor([f for f, _ in em]), minlength=V).float()
+    assert chisquare(first, p_of(()) * n).pvalue > 0.01
+    for t in range(V):
+        second = [b for f, b in em if f == t and b is not None]
+        if len(second) > 200:
+            counts = torch.bincount(torch.tensor(second), minlength=V).float()
+            assert chisquare(counts, p_of((t,)) * len(second)).pvalue > 0.01, t
+
+
 def test_tree_sampling_runs_in_the_runtime(world):
     """T>0 with a tree: seeded runs repeat, drafts get accepted (oracle drafter at low temperature)."""
     target, drafter, prompts, greedy = world

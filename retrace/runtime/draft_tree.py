@@ -98,10 +98,18 @@ class SourceRates:
 
 
 def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, sources: tuple[str, ...],
-                chains: dict[str, torch.Tensor] | None = None, rates: SourceRates | None = None) -> DraftTree:
+                chains: dict[str, torch.Tensor] | None = None, rates: SourceRates | None = None,
+                sampled: torch.Tensor | None = None) -> DraftTree:
     """draft_probs [N, S, V]: the drafter's distribution at slots 1..S; anchors [N]; chains: source name ->
-    [N, S] tokens at new slots 1..S (-1: none; a chain stops at its first -1). -> DraftTree of <= budget
-    nodes per row (depth <= S)."""
+    [N, S] tokens at new slots 1..S (-1: none; a chain stops at its first -1). sampled [N, S]: the drafts of
+    sampling rows (drawn from the drafter's processed distribution; -1 for greedy rows). -> DraftTree of
+    <= budget nodes per row (depth <= S).
+
+    A sampling row's tree is independent chains from the root: the sampled drafts (in place of the top-k,
+    with the `topk` bit), the suffix and the target chain, each continued only under its own nodes, no
+    merging, scored without looking at the sampled tokens (s * rate of `topk` for a sampled node). So the
+    tree's shape never depends on the sampled tokens, which the lossless rule of runtime/tree_accept.py
+    needs (a sampled child is then a plain draw from q)."""
     N, S, V = draft_probs.shape
     rates = rates or SourceRates()
     use_topk = "topk" in sources
@@ -119,6 +127,10 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
         c = chains[s][:, :S]
         chain_q[s] = q.gather(2, c.clamp_min(0).unsqueeze(-1)).squeeze(-1).tolist()
     chain_rate = {s: rates.rate(s) for s in chain_names}
+    if sampled is not None and bool((sampled[:, 0] >= 0).any()):
+        chain_lists["sampled"] = sampled[:, :S].tolist()
+        chain_q["sampled"] = [[0.0] * S for _ in range(N)]
+        chain_rate["sampled"] = rates.rate("topk")
     rows = []
     for n in range(N):
         rows.append(_build_row(n, int(anchors[n]), budget, S, top_p, top_t, chain_lists, chain_q, chain_rate))
@@ -138,6 +150,9 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
 
 
 def _build_row(n, anchor, budget, S, top_p, top_t, chain_lists, chain_q, chain_rate):
+    independent = "sampled" in chain_lists and chain_lists["sampled"][n][0] >= 0  # a sampling row
+    if independent:
+        top_p = None
     tok, par, dep, src, score = [anchor], [0], [0], [0], [1.0]
     chains_of = [set(chain_lists)]  # the chains whose prefix each node's root path is
     child = {}  # (parent, token) -> node
@@ -158,24 +173,30 @@ def _build_row(n, anchor, budget, S, top_p, top_t, chain_lists, chain_q, chain_r
         for s in chains_of[node]:
             t = chain_lists[s][n][d]
             if t >= 0:
-                push(score[node] * max(chain_q[s][n][d], chain_rate[s]), node, d + 1, t, SOURCE_BITS[s], -1)
+                push(score[node] * max(chain_q[s][n][d], chain_rate[s]), node, d + 1, t, _bit(s), -1)
 
     push_children(0)
     while heap and len(tok) < budget:
         neg, _, p, d, t, bits, rank = heapq.heappop(heap)
         if rank >= 0 and rank + 1 < len(top_p[n][d - 1]):  # the next top-k sibling
             push(score[p] * top_p[n][d - 1][rank + 1], p, d, top_t[n][d - 1][rank + 1], 1, rank + 1)
-        node = child.get((p, t))
+        node = None if independent else child.get((p, t))
         if node is not None:  # already in the tree: another source proposes it too
             src[node] |= bits
             continue
         on = {s for s in chains_of[p] if chain_lists[s][n][d - 1] == t}
+        if independent:  # only the chain that proposed it
+            on = {s for s in on if _bit(s) == bits}
         child[(p, t)] = len(tok)
         tok.append(t)
         par.append(p)
         dep.append(d)
-        src.append(bits | sum(SOURCE_BITS[s] for s in on))
+        src.append(bits | sum(_bit(s) for s in on))
         score.append(-neg)
         chains_of.append(on)
         push_children(len(tok) - 1)
     return tok, par, dep, src
+
+
+def _bit(source: str) -> int:
+    return SOURCE_BITS.get(source, SOURCE_BITS["topk"])  # "sampled": the drafter's own proposal

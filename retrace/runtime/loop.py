@@ -242,7 +242,7 @@ class Scheduler:
 
         if tree:  # 2.-4. on a draft tree
             accepted, bonus, drafts, taps, verified = self._tree_round(reqs, slots, anchor, anchor_pos, hidden,
-                                                                       draft_logits, drafts)
+                                                                       draft_logits, drafts, q)
         else:
             # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
             t0 = time.perf_counter()
@@ -273,22 +273,24 @@ class Scheduler:
             self._commit(r, d[:a] + [b], events)
 
     # -- pieces of a round -----------------------------------------------------------------------------
-    def _tree_round(self, reqs, slots, anchor, anchor_pos, hidden, draft_logits, top1):
+    def _tree_round(self, reqs, slots, anchor, anchor_pos, hidden, draft_logits, top1, q):
         """Verify and accept a draft tree per row (greedy, or the sampling walk of runtime/tree_accept.py). -> (accepted [N], bonus [N], path tokens after the
         anchor [N, D] (the first `accepted` are committed), round path taps [N, D+1] (the drafter's next
         context), tree nodes verified per row [N])."""
         N = len(reqs)
         rows = torch.arange(N)
         t0 = time.perf_counter()
+        sampling = torch.tensor([q[i] is not None for i in range(N)])
         tree = build_trees(draft_logits.float().softmax(-1), anchor, self.tree_budget, self.tree_sources,
-                           self.trajectory.read(slots), self.tree_rates)
+                           self.trajectory.read(slots), self.tree_rates,
+                           sampled=torch.where(sampling.unsqueeze(1), top1, -1) if bool(sampling.any()) else None)
         M = tree.nodes
         logits, taps = self.backend.target(slots, tree.tokens, anchor_pos.unsqueeze(1) + tree.depth,
                                            torch.arange(M).expand(N, M), tree_mask=tree.ancestor_mask())
         accepted, bonus, node, post = greedy_tree_accept(tree, logits)
         for i, p in enumerate(_sampling_probs(logits, reqs)):  # sampling rows: the tree walk
             if p is not None:
-                a, b, m = sample_tree_accept(tree, i, p, reqs[i].generator)
+                a, b, m = sample_tree_accept(tree, i, p, reqs[i].generator, q[i])
                 accepted[i], bonus[i], node[i] = a, b, m
         end = continue_path(tree, node)  # the round path: accepted, then each node's best child
         path = root_path(tree, end)

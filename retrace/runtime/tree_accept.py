@@ -6,13 +6,15 @@ the accepted path is the deepest such node's root path. a = its depth, the bonus
 That is exactly what the chain's greedy acceptance gives when the tree is a chain, so the output is the
 target's greedy decode whatever the tree holds.
 
-Sampling (T>0): walk from the root; at each node draw x ~ p(node) (the target's processed distribution
-there); if a child holds x, move to it and repeat, else x is the bonus and the walk stops. Every emitted
-token is a draw from the target's distribution given the tokens before it, so the output distribution is
-exactly the target's (lossless); a node's acceptance probability is the target mass of its children's
-tokens. The tree is built from the drafter's distribution alone, never from these draws. With
-deterministic candidates this is what SpecInfer's recursive rejection sampling reduces to: try child t_i
-with probability r(t_i), on rejection zero t_i in r and renormalise, after the last child sample from r.
+Sampling (T>0): SpecInfer's recursive rejection sampling along the tree. At node u, r = p(u) (the
+target's processed distribution there). Each fixed child t (a suffix or target candidate: a point-mass
+proposal) is accepted with probability r(t); on rejection r(t) = 0 and r is renormalised. Then the sampled
+child x (the drafter's draft, x ~ q of its slot, drawn independently of everything else) is accepted with
+probability min(1, r(x) / q(x)); on rejection r = norm(max(0, r - q)). An accepted child becomes u; when
+none is accepted the bonus is drawn from r. Each step is a speculative-sampling step whose output is
+distributed as its r, so by induction every emitted token is distributed as the target's p given the
+tokens before it: lossless. This needs the tree's shape not to depend on the sampled drafts
+(build_trees does that for sampling rows). The chain's rule is the special case of one sampled child.
 
 The round path: the accepted path continued, while the tree has it, by each node's first child (the
 best-scored candidate; in a topk tree the drafter's top-1 token, the chain a plain round would verify). Its verify logits and taps are
@@ -94,19 +96,39 @@ def source_counts(tree: DraftTree, path: torch.Tensor,
             for s, b in SOURCE_BITS.items()}
 
 
-def sample_tree_accept(tree: DraftTree, row: int, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int, int]:
-    """One sampling row. p [M, V]: the target's processed probabilities at every node -> (accepted a, bonus
-    token, accepted node)."""
+def sample_tree_accept(tree: DraftTree, row: int, p: torch.Tensor, gen: torch.Generator,
+                       q: torch.Tensor | None = None) -> tuple[int, int, int]:
+    """One sampling row. p [M, V]: the target's processed probabilities at every node; q [S, V]: the drafter's
+    processed distribution per slot, when the row's `topk` children are sampled drafts (build_trees'
+    `sampled`; None: every child is a fixed candidate) -> (accepted a, bonus token, accepted node)."""
     size = int(tree.size[row])
-    children: dict[tuple[int, int], int] = {}
-    for m, (par, tok) in enumerate(zip(tree.parent[row, :size].tolist(), tree.tokens[row, :size].tolist(),
-                                       strict=True)):
-        if m:
-            children[(par, tok)] = m
+    fixed: dict[int, list[tuple[int, int]]] = {}
+    drawn: dict[int, tuple[int, int]] = {}
+    for m in range(1, size):
+        par, tok = int(tree.parent[row, m]), int(tree.tokens[row, m])
+        if q is not None and int(tree.source[row, m]) & SOURCE_BITS["topk"]:
+            drawn[par] = (m, tok)
+        else:
+            fixed.setdefault(par, []).append((m, tok))
     node, a = 0, 0
     while True:
-        x = int(torch.multinomial(p[node], 1, generator=gen))
-        nxt = children.get((node, x))
+        r = p[node].double()
+        nxt = None
+        for m, t in fixed.get(node, []):  # a fixed candidate: proposal = a point mass on t
+            if float(torch.rand((), generator=gen)) < float(r[t]):
+                nxt = m
+                break
+            r = r.clone()
+            r[t] = 0
+            r = r / r.sum()
+        if nxt is None and node in drawn:  # the sampled draft x ~ q: min(1, r(x) / q(x)), else max(0, r - q)
+            m, x = drawn[node]
+            qd = q[int(tree.depth[row, node])].double()
+            if float(torch.rand((), generator=gen)) * float(qd[x]) <= float(r[x]):
+                nxt = m
+            else:
+                res = (r - qd).clamp_min(0)
+                r = res / res.sum() if float(res.sum()) > 0 else r
         if nxt is None:
-            return a, x, node
+            return a, int(torch.multinomial(r.float(), 1, generator=gen)), node
         node, a = nxt, a + 1
