@@ -13,7 +13,8 @@ A verify policy (runtime/verify_policy.py) decides, before 1., whether the round
 it, how many drafts K each row sends to 2. (K = 0 is plain decoding; fewer drafts never change the output).
 Tree mode (tree_budget > 0): 2. verifies a draft tree of at most tree_budget nodes
 per row instead (runtime/draft_tree.py: the drafter's top-k, the previous round's rejected suffix, the
-target's argmax on it), 3. keeps its longest path the target agrees with (runtime/tree_accept.py), the
+target's argmax on it; sampling rows: the sampled drafts instead of the top-k), 3. keeps its longest path
+the target agrees with (greedy) or SpecInfer's recursive rejection sampling walk (runtime/tree_accept.py), the
 backend moves that path's K/V to its absolute positions (commit_path), and 4./5. see the round path (the
 accepted path continued by the best child) as a chain round's verify; the verify policy is not
 consulted (the whole block is drafted every round).
