@@ -59,7 +59,8 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
 
 
 def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                  verify_bundle: bool = True, verify_policy: str = "adaptive"):
+                  verify_bundle: bool = True, verify_policy: str = "adaptive", tree_budget: int = 0,
+                  tree_sources: str = "topk,suffix,target"):
     """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch)."""
     from retrace.runtime import Runtime
 
@@ -74,7 +75,8 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
         extra = {} if verify_bundle else {"verify": False}
         return Runtime.from_bundle(engine, backend=backend or "onnxruntime", block_size=block_size,
                                    max_batch=max_batch, max_seq_len=max_seq_len, threads=threads,
-                                   verify_policy=verify_policy, **extra)
+                                   verify_policy=verify_policy, tree_budget=tree_budget,
+                                   tree_sources=tree_sources, **extra)
     if target is None:
         raise RetraceError("give --target (and --drafter) or --engine")
     from retrace.models.config import Qwen3Config
@@ -84,7 +86,17 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
         raise RetraceError(f"--max-seq-len {max_seq_len} exceeds the target's max_position_embeddings {max_pos}")
     return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch or 8,
                              max_seq_len=max_seq_len or min(2048, max_pos), block_size=block_size, threads=threads,
-                             verify_policy=verify_policy)
+                             verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources)
+
+
+def tree_options(fn):
+    """--tree-budget / --tree-sources (runtime/draft_tree.py)."""
+    fn = click.option("--tree-sources", default="topk,suffix,target", show_default=True,
+                      help="where a draft tree's candidates come from: topk (the drafter's per-slot top-k), suffix "
+                           "(the previous round's rejected suffix), target (the target's argmax on it)")(fn)
+    return click.option("--tree-budget", type=int, default=0, show_default=True,
+                        help="verify a draft tree of at most N tokens per row and round (root included); "
+                             "0 = the chain")(fn)
 
 
 def verify_policy_option(default: str):
@@ -109,6 +121,7 @@ def runtime_options(fn):
         click.option("--no-verify-bundle", "no_verify_bundle", is_flag=True,
                      help="skip re-hashing the bundle's files on load (sizes are still checked)"),
         verify_policy_option("adaptive"),
+        tree_options,
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -142,7 +155,7 @@ def sampling_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with outputs and stats")
 @cli_errors
 def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
-             verify_policy, prompt, prompt_ids,
+             verify_policy, tree_budget, tree_sources, prompt, prompt_ids,
              prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, min_tokens, ignore_eos,
              as_json) -> None:
     """Generate with speculative decoding (lossless: greedy output equals the target's own)."""
@@ -158,7 +171,8 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
                             seed=seed, stop=tuple(stop), min_tokens=min_tokens, ignore_eos=ignore_eos)
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)
     rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                       verify_bundle=not no_verify_bundle, verify_policy=verify_policy)
+                       verify_bundle=not no_verify_bundle, verify_policy=verify_policy, tree_budget=tree_budget,
+                       tree_sources=tree_sources)
     if as_json:
         results = rt.generate(prompts, params, mode)
     else:
@@ -219,13 +233,14 @@ main.add_command(eval_cmd)
               help="cProfile one batch-1 run of the headline retrace system into this file")
 @click.option("--readme-table", is_flag=True, help="print the results as a markdown table (for the README)")
 @verify_policy_option("adaptive")
+@tree_options
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
-          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, markdown_out,
-          from_json) -> None:
+          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, tree_budget,
+          tree_sources, markdown_out, from_json) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -236,7 +251,7 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   json_out=json_out, plot_out=plot_out,
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()),
-                  verify_policy=verify_policy)
+                  verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources)
 
 
 if __name__ == "__main__":

@@ -91,12 +91,15 @@ class OracleDrafter:
         self.rejection_slots: list[int] = []
         self._cycle: list[int] = []
 
-    def target(self, slots, input_ids, positions, logits_index):
+    def target(self, slots, input_ids, positions, logits_index, **tree):
         if bool((positions[:, 0] == 0).all()):  # prefill: learn which prompt lives in which slot
             for n, s in enumerate(slots.tolist()):
                 prompt = tuple(input_ids[n, : int(logits_index[n, 0]) + 1].tolist())
                 self.slot_seq[s] = self.sequences[prompt]
-        return self.inner.target(slots, input_ids, positions, logits_index)
+        return self.inner.target(slots, input_ids, positions, logits_index, **tree)
+
+    def commit_path(self, slots, src_index, dst_pos):
+        self.inner.commit_path(slots, src_index, dst_pos)
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
         if suffix is not None:

@@ -52,6 +52,8 @@ class BenchConfig:
     warmup: bool = True
     profile: str | None = None  # write a cProfile of one headline retrace run here
     verify_policy: str = "adaptive"  # what retrace-<backend>-<mode> runs; -fixed names run the whole block
+    tree_budget: int = 0  # > 0: also retrace-torch-<mode>-tree (draft trees of this many tokens a round)
+    tree_sources: str = "topk,suffix,target"
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -137,6 +139,8 @@ def _retrace_names(backend: str, cfg: BenchConfig) -> list[tuple[str, str, str]]
     """(name, mode, verify policy): retrace-<backend>-<mode> runs cfg.verify_policy, -fixed the whole block."""
     out = [(f"retrace-{backend}-{m}", m, cfg.verify_policy) for m in MODES]
     out += [(f"retrace-{backend}-{m}-fixed", m, "fixed") for m in MODES if m != "ar"]
+    if cfg.tree_budget and backend == "torch":  # bundles need --tree-mask (the bench's own build has none)
+        out += [(f"retrace-{backend}-{m}-tree", m, "tree") for m in MODES if m != "ar"]
     return [x for x in out if _wanted(x[0], cfg.systems)]
 
 
@@ -153,6 +157,9 @@ def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig) -> None:
         if mode != "ar" and rt.backend.drafter_config is None:
             built.skip([name], "no drafter")
             continue
+        if policy == "tree" and policy not in runtimes:
+            runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy="fixed",
+                                       tree_budget=cfg.tree_budget, tree_sources=cfg.tree_sources)
         if policy not in runtimes:
             runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy=policy)
         built.systems.append(RetraceSystem(runtimes[policy], backend, mode, timers, name))
@@ -288,13 +295,13 @@ def run_bench(cfg: BenchConfig, console=None, show_progress: bool = True) -> dic
     N = cfg.max_new_tokens
     B = dcfg.block_size
     ctx = int(tcfg.max_position_embeddings)
-    max_prompt = ctx - N - B - 2
+    max_prompt = ctx - N - max(B, cfg.tree_budget) - 2
     if max_prompt < 1:
         raise RetraceError(f"--max-new-tokens {N} + block {B} does not fit the target's context of {ctx} tokens")
     prompts: list[BenchPrompt] = load_prompts(cfg.prompts, TextCodec.find(cfg.target), cfg.limit,
                                               tcfg.vocab_size, max_prompt)
     ids = [p.ids for p in prompts]
-    max_seq_len = max(len(i) for i in ids) + N + B + 2
+    max_seq_len = max(len(i) for i in ids) + N + max(B, cfg.tree_budget) + 2
     batch_sizes = tuple(sorted(set(cfg.batch_sizes)))
 
     # a bundle built here is sized for the benchmark: the batch and the target's whole context

@@ -68,9 +68,12 @@ class BuildOptions:
     attention: str = "native"
     tolerance: float | None = None  # default: onnx_parity.TOLERANCE[dtype]
     conditioner: bool = True  # include the drafter directory's ReTrace conditioner when it has one
+    tree_mask: bool = False  # the target graph's optional tree_mask input (tree verification, ONNX Runtime)
     backend_options: dict[str, Any] = field(default_factory=dict)  # for hooks (e.g. TensorRT profiles)
 
     def __post_init__(self):
+        if self.tree_mask and self.backend != "onnxruntime":
+            raise RetraceError("--tree-mask: tree verification runs on the onnxruntime backend only")
         self.target = Path(self.target)
         self.drafter = Path(self.drafter) if self.drafter is not None else None
         self.out = Path(self.out)
@@ -248,7 +251,8 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
         ctx.target, ctx.drafter = target, drafter
 
     with reporter.stage(f"export target graph ({tcfg.num_hidden_layers} layers, {opts.attention} attention)"):
-        ctx.graphs["target"] = export_target_graph(target, staging / "target", opts.attention)
+        tree = {"tree_mask": True} if opts.tree_mask else {}
+        ctx.graphs["target"] = export_target_graph(target, staging / "target", opts.attention, **tree)
         reporter.note(f"{ctx.graphs['target'].node_count} nodes")
     if drafter is not None:
         what = "ReTrace" if drafter.conditioner is not None else "DFlash"
@@ -298,10 +302,10 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
 
 
 # Indirections the tests monkeypatch (to interrupt a build mid-way without paying for a real export).
-def export_target_graph(target, out_dir: Path, attention: str):
+def export_target_graph(target, out_dir: Path, attention: str, tree_mask: bool = False):
     from retrace.export.onnx_export import export_target
 
-    return export_target(target, out_dir, attention)
+    return export_target(target, out_dir, attention, tree_mask)
 
 
 def export_drafter_graph(drafter, out_dir: Path, attention: str):

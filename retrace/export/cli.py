@@ -58,9 +58,11 @@ def _backends() -> list[str]:
 @click.option("--quiet", "-q", is_flag=True, help="no progress output (the summary is still printed)")
 @click.option("--triton-repo", type=click.Path(path_type=Path), default=None,
               help="also write a Triton Inference Server model repository for the bundle here")
+@click.option("--tree-mask", is_flag=True,
+              help="give the target graph the optional tree_mask input (tree verification: --tree-budget)")
 @cli_errors
 def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_size, attention, tolerance,
-          conditioner, force, quiet, triton_repo) -> None:
+          conditioner, force, quiet, triton_repo, tree_mask) -> None:
     """Export, check and package a target (+ drafter) as an engine bundle.
 
     The bundle is built in a temp directory beside --out and renamed into place only when every check
@@ -77,7 +79,7 @@ def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_si
         check_output(Path(triton_repo).absolute(), KIND, force, is_legacy_repository, "Triton model repository")
     opts = BuildOptions(target=target, drafter=drafter, out=out, backend=backend, dtype=dtype, max_batch=max_batch,
                         max_seq_len=max_seq_len, block_size=block_size, force=force, attention=attention,
-                        tolerance=tolerance, conditioner=conditioner)
+                        tolerance=tolerance, conditioner=conditioner, tree_mask=tree_mask)
     if not quiet:
         console.print(f"[bold]retrace-export build[/bold] {target} + {drafter or '(no drafter)'} -> {out} "
                       f"[dim]({backend}, {dtype})[/dim]")

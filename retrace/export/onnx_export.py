@@ -6,6 +6,9 @@ model serves prefill, decode and verify (dynamic batch N, new tokens T, past len
 Target graph (see docs/INTERFACES.md for the semantics):
     inputs   input_ids [N,T] i64, position_ids [N,T] i64, past_len [N] i64, logits_index [N,K] i64,
              past_key_{i} / past_value_{i} [N,Hkv,P,hd] (model dtype), i = 0..L-1
+             and, only when exported with tree_mask=True (retrace-export build --tree-mask): tree_mask
+             [N,T,T] bool, which new tokens each new token attends to (a draft tree's ancestor mask; the
+             causal triangle for a chain); graphs without it serve chains only
     outputs  logits [N,K,V] f32, taps [N,T,k*d], new_key_{i} / new_value_{i} [N,Hkv,T,hd]
 Drafter graph:
     inputs   ctx_taps [N,C,k*d], ctx_positions [N,C] i64, block_ids [N,B] i64, block_positions [N,B] i64,
@@ -63,8 +66,9 @@ def kv_names(prefix: str, num_layers: int) -> list[str]:
     return [f"{prefix}_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
 
 
-def target_io(num_layers: int) -> tuple[list[str], list[str]]:
+def target_io(num_layers: int, tree_mask: bool = False) -> tuple[list[str], list[str]]:
     inputs = ["input_ids", "position_ids", "past_len", "logits_index", *kv_names("past", num_layers)]
+    inputs += ["tree_mask"] if tree_mask else []
     outputs = ["logits", "taps", *kv_names("new", num_layers)]
     return inputs, outputs
 
@@ -81,13 +85,17 @@ def drafter_io(num_layers: int, suffix: bool) -> tuple[list[str], list[str]]:
 
 # -- flat-signature wrappers (what the exporter traces) ----------------------------------------------------
 class TargetGraph(nn.Module):
-    def __init__(self, target: Qwen3Target):
+    def __init__(self, target: Qwen3Target, tree_mask: bool = False):
         super().__init__()
         self.target = target
+        self.tree_mask = tree_mask
 
     def forward(self, input_ids, position_ids, past_len, logits_index, *past):
+        mask = None
+        if self.tree_mask:  # the last input
+            past, mask = past[:-1], past[-1]
         logits, taps, nk, nv = self.target(input_ids, position_ids, list(past[0::2]), list(past[1::2]),
-                                           past_len, logits_index)
+                                           past_len, logits_index, tree_mask=mask)
         return (logits, taps, *[t for kv in zip(nk, nv, strict=True) for t in kv])
 
 
@@ -305,8 +313,10 @@ def census(proto, name: str, path: Path, data: Path | None, names_in, names_out,
                          dict(ops), 0.0, custom_nodes=len(fusion_nodes(proto)))
 
 
-def export_target(target: Qwen3Target, out_dir: str | Path, attention: str = "native") -> ExportedGraph:
-    """Write `out_dir/model.onnx` (+ `model.onnx.data`) for the target with its tap layers."""
+def export_target(target: Qwen3Target, out_dir: str | Path, attention: str = "native",
+                  tree_mask: bool = False) -> ExportedGraph:
+    """Write `out_dir/model.onnx` (+ `model.onnx.data`) for the target with its tap layers (tree_mask: with
+    the optional tree_mask input of tree verification)."""
     if not target.tap_layers:
         raise ExportError("the target has no tap layers: load it with the drafter's target_layer_ids "
                           "(retrace.models.drafter.load_pair)")
@@ -315,11 +325,20 @@ def export_target(target: Qwen3Target, out_dir: str | Path, attention: str = "na
     args = target_inputs(target, e["N"], e["T"], e["P"], e["K"])
     N, T, K = (torch.export.Dim(n, min=1) for n in ("N", "T", "K"))
     P = torch.export.Dim("P", min=0)
+    past = [{0: N, 2: P} for _ in range(2 * L)]
+    if tree_mask:
+        args = (*args, causal_mask(args[0].shape[0], args[0].shape[1]))
+        past.append({0: N, 1: T, 2: T})
     dynamic = {"input_ids": {0: N, 1: T}, "position_ids": {0: N, 1: T}, "past_len": {0: N},
-               "logits_index": {0: N, 1: K}, "past": tuple({0: N, 2: P} for _ in range(2 * L))}
-    names_in, names_out = target_io(L)
-    return _export(TargetGraph(target), args, names_in, names_out, dynamic, Path(out_dir), attention, "target",
-                   with_function=False)
+               "logits_index": {0: N, 1: K}, "past": tuple(past)}
+    names_in, names_out = target_io(L, tree_mask)
+    return _export(TargetGraph(target, tree_mask), args, names_in, names_out, dynamic, Path(out_dir), attention,
+                   "target", with_function=False)
+
+
+def causal_mask(n: int, t: int) -> torch.Tensor:
+    """The tree_mask input of a chain: [n, t, t] bool lower triangle."""
+    return torch.ones(t, t, dtype=torch.bool).tril().expand(n, t, t).contiguous()
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, attention: str = "native") -> ExportedGraph:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from retrace.errors import RetraceError
-from retrace.export.onnx_export import drafter_inputs, drafter_io, target_inputs, target_io
+from retrace.export.onnx_export import causal_mask, drafter_inputs, drafter_io, target_inputs, target_io
 from retrace.models.drafter import DFlashDrafter, SuffixInputs
 from retrace.models.target import Qwen3Target
 
@@ -55,21 +55,42 @@ def _case(ort_out: list, ref: tuple[torch.Tensor, ...], names: list[str]) -> dic
 def target_parity(target: Qwen3Target, path: str | Path, block_size: int = 16, sess=None) -> dict:
     sess = sess or session(path)
     L = target.config.num_hidden_layers
-    names_in, names_out = target_io(L)
+    tree = "tree_mask" in {i.name for i in sess.get_inputs()}
+    names_in, names_out = target_io(L, tree)
     cases = {
         "prefill": dict(N=2, T=7, P=0, K=7),
         "decode": dict(N=2, T=1, P=9, K=1),
         "verify": dict(N=2, T=block_size, P=9, K=block_size),
     }
+    if tree:
+        cases["tree"] = dict(N=2, T=block_size, P=9, K=block_size)
     out = {}
     for i, (name, c) in enumerate(cases.items()):
         args = target_inputs(target, c["N"], c["T"], c["P"], c["K"], seed=100 + i)
+        mask = None
+        if tree:  # a chain's causal mask, or a tree's: node m's parent is a random earlier node
+            mask = causal_mask(c["N"], c["T"])
+            if name == "tree":
+                mask = random_tree_mask(c["N"], c["T"], seed=100 + i)
+            args = (*args, mask)
+        past = args[4:4 + 2 * L]
         with torch.no_grad():
-            logits, taps, nk, nv = target(args[0], args[1], list(args[4::2]), list(args[5::2]), args[2], args[3])
+            logits, taps, nk, nv = target(args[0], args[1], list(past[0::2]), list(past[1::2]), args[2], args[3],
+                                          tree_mask=mask)
         ref = (logits, taps, *[t for kv in zip(nk, nv, strict=True) for t in kv])
         got = sess.run(names_out, {n: a.numpy() for n, a in zip(names_in, args, strict=True)})
         out[name] = _case(got, ref, names_out)
     return out
+
+
+def random_tree_mask(n: int, t: int, seed: int) -> torch.Tensor:
+    """[n, t, t] ancestor-or-self mask of random trees (node m's parent uniform over 0..m-1)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.eye(t, dtype=torch.bool).repeat(n, 1, 1)
+    for row in range(n):
+        for m in range(1, t):
+            mask[row, m] |= mask[row, int(torch.randint(0, m, (1,), generator=g))]
+    return mask
 
 
 def drafter_parity(drafter: DFlashDrafter, path: str | Path, block_size: int = 16, sess=None) -> dict:

@@ -83,13 +83,17 @@ class Qwen3Target(nn.Module):
         logits_index: torch.Tensor | None = None,
         input_valid: torch.Tensor | None = None,
         past_valid: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ):
+        """tree_mask [N, T, T] bool (optional): which new tokens each new token attends to (a draft tree's
+        ancestor-or-self mask, runtime/draft_tree.py) instead of the causal triangle; positions then give
+        each node its depth."""
         N, T = input_ids.shape
         P = past_k[0].shape[2]
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.layers.head_dim, self.config.layers.rope_theta, x.dtype)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        new = causal.expand(N, 1, T, T)
+        new = causal.expand(N, 1, T, T) if tree_mask is None else tree_mask.unsqueeze(1)
         if input_valid is not None:  # left/right padding inside the new tokens: pads are never keys
             eye = torch.eye(T, dtype=torch.bool, device=x.device)
             new = new & (input_valid[:, None, None, :] | eye)

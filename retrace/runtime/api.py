@@ -9,6 +9,7 @@ from pathlib import Path
 
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.runtime.backend import Backend
+from retrace.runtime.draft_tree import SOURCES, check_budget, parse_sources
 from retrace.runtime.loop import MODES, Event, Request, Scheduler
 from retrace.runtime.sampling import SamplingParams
 from retrace.runtime.stats import AcceptStats
@@ -42,16 +43,20 @@ class Result:
 
 class Runtime:
     def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
-                 verify_policy: str | VerifyPolicy = "adaptive"):
+                 verify_policy: str | VerifyPolicy = "adaptive", tree_budget: int = 0,
+                 tree_sources: str | tuple[str, ...] = SOURCES):
         """verify_policy: how many drafts each round verifies, for every request of this runtime:
         "adaptive" (what pays on this machine, runtime/verify_policy.py), "fixed" (the whole block), or a
-        policy object."""
+        policy object. tree_budget > 0: verify a draft tree of at most that many nodes per row instead
+        (runtime/draft_tree.py) from tree_sources ("topk,suffix,target")."""
         if isinstance(verify_policy, str) and verify_policy not in POLICIES:
             raise RetraceError(f"unknown verify policy {verify_policy!r} (choose from {', '.join(POLICIES)})")
         self.backend = backend
         self.codec = codec
         self.block_size = block_size
         self.verify_policy = verify_policy
+        self.tree_budget = check_budget(tree_budget, block_size or 0)
+        self.tree_sources = parse_sources(tree_sources)
         self._sched: Scheduler | None = None
         # events of requests being streamed, not yet yielded: a step run on behalf of one stream (or of
         # generate) commits tokens for every request, and the other streams must still see theirs
@@ -61,7 +66,8 @@ class Runtime:
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, backend: str = "torch",
                   max_batch: int = 8, max_seq_len: int = 2048, block_size: int | None = None,
-                  threads: int | None = None, verify_policy: str | VerifyPolicy = "adaptive") -> Runtime:
+                  threads: int | None = None, verify_policy: str | VerifyPolicy = "adaptive",
+                  tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES) -> Runtime:
         if backend != "torch":
             raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
                                "with --target/--drafter use the torch backend")
@@ -69,13 +75,15 @@ class Runtime:
 
         be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=max_batch, max_seq_len=max_seq_len,
                                     threads=threads)
-        return cls(be, TextCodec.find(target_dir), block_size, verify_policy)
+        return cls(be, TextCodec.find(target_dir), block_size, verify_policy, tree_budget, tree_sources)
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, backend: str = "onnxruntime", block_size: int | None = None,
-                    verify_policy: str | VerifyPolicy = "adaptive", **backend_kwargs) -> Runtime:
+                    verify_policy: str | VerifyPolicy = "adaptive", tree_budget: int = 0,
+                    tree_sources: str | tuple[str, ...] = SOURCES, **backend_kwargs) -> Runtime:
         be = _load_backend_class(backend).from_bundle(bundle_dir, **backend_kwargs)
-        return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), block_size, verify_policy)
+        return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), block_size, verify_policy,
+                   tree_budget, tree_sources)
 
     # -- text ------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -89,7 +97,8 @@ class Runtime:
     def scheduler(self) -> Scheduler:
         """The long-lived continuous-batching scheduler (requests join and leave between rounds)."""
         if self._sched is None:
-            self._sched = Scheduler(self.backend, self.codec, self.block_size, verify_policy=self.verify_policy)
+            self._sched = Scheduler(self.backend, self.codec, self.block_size, verify_policy=self.verify_policy,
+                                    tree_budget=self.tree_budget, tree_sources=self.tree_sources)
         return self._sched
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
@@ -152,6 +161,10 @@ class Runtime:
             "max_batch_seen": sched.max_batch_seen,
             "backend": self.backend.name,
             "verify_policy": sched.policy.name,
+            **({"tree": {"budget": sched.tree_budget, "sources": list(sched.tree_sources),
+                         "source_counts": {s: {"tries": t, "accepted": h, "accepted_only": o}
+                                           for s, (t, h, o) in sched.tree_counts.items()}}}
+               if sched.tree_budget else {}),
         }
 
     def reset_stats(self) -> None:

@@ -25,8 +25,19 @@ class Backend(Protocol):
     has_conditioner: bool
 
     def target(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-               logits_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [N,K,V] f32 at logits_index, taps [N,T,k*d]); writes K/V at `positions`."""
+               logits_index: torch.Tensor, tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [N,K,V] f32 at logits_index, taps [N,T,k*d]); writes K/V at `positions`.
+
+        tree_mask [N,T,T] bool (a draft tree's verify; only passed in tree mode): the new tokens attend to
+        the past (< positions[:, 0]) and to the new tokens the mask allows; positions are per node (the
+        root's, positions[:, 0], is the smallest). Their K/V go to the scratch indices positions[:, 0] + m
+        (node order), not to `positions`, which collide; commit_path then moves the accepted path's K/V
+        to its absolute positions. A backend without tree support raises RetraceError."""
+        ...
+
+    def commit_path(self, slots: torch.Tensor, src_index: torch.Tensor, dst_pos: torch.Tensor) -> None:
+        """After a tree verify: copy the target K/V at cache indices src_index [N,L] to dst_pos [N,L] in each
+        slot (every source read before any destination is written)."""
         ...
 
     def draft(self, slots: torch.Tensor, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor,

@@ -11,6 +11,13 @@ One round for the requests of one mode, top to bottom as in the paper:
 is indexed by absolute position, so nothing is copied when a row accepts fewer tokens than another.
 A verify policy (runtime/verify_policy.py) decides, before 1., whether the round drafts at all and, after
 it, how many drafts K each row sends to 2. (K = 0 is plain decoding; fewer drafts never change the output).
+Tree mode (tree_budget > 0): 2. verifies a draft tree of at most tree_budget nodes
+per row instead (runtime/draft_tree.py: the drafter's top-k, the previous round's rejected suffix, the
+target's argmax on it; sampling rows: the sampled drafts instead of the top-k), 3. keeps its longest path
+the target agrees with (greedy) or SpecInfer's recursive rejection sampling walk (runtime/tree_accept.py), the
+backend moves that path's K/V to its absolute positions (commit_path), and 4./5. see the round path (the
+accepted path continued by the best child) as a chain round's verify; the verify policy is not
+consulted (the whole block is drafted every round).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import torch
 
 from retrace.errors import RetraceError
 from retrace.runtime.backend import Backend
+from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees, check_budget, parse_sources
+from retrace.runtime.rejected_trajectory import RejectedTrajectory
 from retrace.runtime.sampling import (
     SamplingParams,
     argmax,
@@ -35,6 +44,13 @@ from retrace.runtime.sampling import (
 from retrace.runtime.stats import AcceptStats, Timing
 from retrace.runtime.suffix_memory import SuffixMemory
 from retrace.runtime.tokenizer import TextCodec
+from retrace.runtime.tree_accept import (
+    continue_path,
+    greedy_tree_accept,
+    root_path,
+    sample_tree_accept,
+    source_counts,
+)
 from retrace.runtime.verify_policy import FixedPolicy, VerifyPolicy, make_policy
 
 MODES = ("ar", "dflash", "retrace")
@@ -83,9 +99,12 @@ class Event:
 
 class Scheduler:
     def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
-                 eos_ids: tuple[int, ...] | None = None, verify_policy: str | VerifyPolicy = "fixed"):
+                 eos_ids: tuple[int, ...] | None = None, verify_policy: str | VerifyPolicy = "fixed",
+                 tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES):
         """verify_policy: "fixed" (the whole block every round: what training rollouts and `retrace eval`
-        measure), "adaptive" (runtime/verify_policy.py), or a policy object (tests inject one)."""
+        measure), "adaptive" (runtime/verify_policy.py), or a policy object (tests inject one).
+        tree_budget: 0 = chain verification; N >= 2 = a draft tree of <= N nodes (root included) per row
+        from tree_sources ("topk", "suffix", "target"; a comma list or a tuple)."""
         self.backend = backend
         self.codec = codec
         dc = backend.drafter_config
@@ -104,6 +123,12 @@ class Scheduler:
         self.max_batch_seen = 0
         self._ids = itertools.count()
         self.policy = make_policy(verify_policy, backend, self.block_size) if dc is not None else FixedPolicy(1)
+        self.tree_budget = check_budget(tree_budget, self.block_size)
+        self.tree_sources = parse_sources(tree_sources)
+        self.tree_rates = SourceRates()
+        self.trajectory = RejectedTrajectory(backend.max_batch, self.block_size) if dc is not None else None
+        # per source: [tree nodes whose parent was accepted, of those accepted, accepted that only it proposed]
+        self.tree_counts = {s: [0, 0, 0] for s in SOURCES}
 
     # -- requests --------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
@@ -129,7 +154,7 @@ class Scheduler:
         vocab = self.backend.target_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RetraceError(f"prompt token ids must be in [0, {vocab})")
-        need = len(prompt_ids) + params.max_new_tokens + self.block_size + 1
+        need = len(prompt_ids) + params.max_new_tokens + max(self.block_size, self.tree_budget) + 1
         if need > self.backend.max_seq_len:
             raise RetraceError(
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} + block "
@@ -169,6 +194,7 @@ class Scheduler:
             self.running[req.slot] = req
             if self.memory is not None:
                 self.memory.clear(req.slot)
+                self.trajectory.clear(req.slot)
             admitted.append(req)
         return admitted
 
@@ -198,6 +224,9 @@ class Scheduler:
         anchor_pos = torch.tensor([r.anchor_pos for r in reqs])
         # draft slots the verify policy can use this round (0: no draft call; `ar` never drafts)
         S = self.policy.plan(mode, N) if mode != "ar" else 0
+        tree = self.tree_budget > 0 and mode != "ar"
+        if tree:  # the tree budget, not the verify policy, sets what a round verifies
+            S = self.block_size - 1
 
         # 1. draft (the drafter always fills the whole block; the policy picks K drafts per row to verify)
         hidden = q = draft_logits = verified = None
@@ -213,28 +242,33 @@ class Scheduler:
                                                       anchor_pos.unsqueeze(1) + torch.arange(B), suffix)
             draft_logits = draft_logits[:, :S]
             drafts, q = self._propose(draft_logits, reqs)
-            verified = self.policy.choose(mode, draft_logits, drafts, q)
+            verified = self.policy.choose(mode, draft_logits, drafts, q) if not tree else None
             t_draft = time.perf_counter() - t0
             self.timing.draft += t_draft
         K = int(verified.max()) if verified is not None else 0
 
-        # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
-        t0 = time.perf_counter()
-        block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)
-        positions = anchor_pos.unsqueeze(1) + torch.arange(K + 1)
-        logits, taps = self.backend.target(slots, block[:, : K + 1], positions, torch.arange(K + 1).expand(N, K + 1))
-        t_verify = time.perf_counter() - t0
-        self.timing.verify += t_verify
-        logits = self._min_length(logits, reqs)
+        if tree:  # 2.-4. on a draft tree
+            accepted, bonus, drafts, taps, verified = self._tree_round(reqs, slots, anchor, anchor_pos, hidden,
+                                                                       draft_logits, drafts, q)
+        else:
+            # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
+            t0 = time.perf_counter()
+            block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)
+            positions = anchor_pos.unsqueeze(1) + torch.arange(K + 1)
+            logits, taps = self.backend.target(slots, block[:, : K + 1], positions,
+                                               torch.arange(K + 1).expand(N, K + 1))
+            t_verify = time.perf_counter() - t0
+            self.timing.verify += t_verify
+            logits = self._min_length(logits, reqs)
 
-        # 3. accept
-        accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
-        self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
+            # 3. accept
+            accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
+            self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
 
-        # 4. remember the rejected suffix (every drafted slot the target scored; nothing without a draft)
-        if mode == "retrace":
-            self.memory.write(slots, hidden, block, logits, draft_logits, accepted, anchor_pos, target_argmax,
-                              verified)
+            # 4. remember the rejected suffix (every drafted slot the target scored; nothing without a draft)
+            if mode == "retrace":
+                self.memory.write(slots, hidden, block, logits, draft_logits, accepted, anchor_pos,
+                                  target_argmax, verified)
 
         # 5. commit (one conversion to Python lists, not one per element)
         ks = verified.tolist() if verified is not None else [0] * N
@@ -247,6 +281,50 @@ class Scheduler:
             self._commit(r, d[:a] + [b], events)
 
     # -- pieces of a round -----------------------------------------------------------------------------
+    def _tree_round(self, reqs, slots, anchor, anchor_pos, hidden, draft_logits, top1, q):
+        """Verify and accept a draft tree per row (greedy, or the sampling walk of runtime/tree_accept.py). -> (accepted [N], bonus [N], path tokens after the
+        anchor [N, D] (the first `accepted` are committed), round path taps [N, D+1] (the drafter's next
+        context), tree nodes verified per row [N])."""
+        N = len(reqs)
+        rows = torch.arange(N)
+        t0 = time.perf_counter()
+        sampling = torch.tensor([q[i] is not None for i in range(N)])
+        tree = build_trees(draft_logits.float().softmax(-1), anchor, self.tree_budget, self.tree_sources,
+                           self.trajectory.read(slots), self.tree_rates,
+                           sampled=torch.where(sampling.unsqueeze(1), top1, -1) if bool(sampling.any()) else None)
+        M = tree.nodes
+        logits, taps = self.backend.target(slots, tree.tokens, anchor_pos.unsqueeze(1) + tree.depth,
+                                           torch.arange(M).expand(N, M), tree_mask=tree.ancestor_mask())
+        logits = self._min_length(logits, reqs, tree.depth)
+        accepted, bonus, node, post = greedy_tree_accept(tree, logits)
+        for i, p in enumerate(_sampling_probs(logits, reqs)):  # sampling rows: the tree walk
+            if p is not None:
+                a, b, m = sample_tree_accept(tree, i, p, reqs[i].generator, q[i])
+                accepted[i], bonus[i], node[i] = a, b, m
+        end = continue_path(tree, node)  # the round path: accepted, then each node's best child
+        path = root_path(tree, end)
+        path_len = tree.depth[rows, end]
+        L = path.shape[1]
+        self.backend.commit_path(slots, anchor_pos.unsqueeze(1) + path, anchor_pos.unsqueeze(1) + torch.arange(L))
+        self.timing.verify += time.perf_counter() - t0
+        for s, (tries, hits, only_tries, only_hits) in source_counts(tree, path, accepted).items():
+            self.tree_rates.observe(s, only_tries, only_hits)  # what a source adds beyond the others
+            for j, c in enumerate((tries, hits, only_hits)):
+                self.tree_counts[s][j] += c
+        path_tokens = tree.tokens.gather(1, path)
+        path_taps = taps.gather(1, path.unsqueeze(-1).expand(-1, -1, taps.shape[-1]))
+        path_post = post.gather(1, path)
+        # the round's block: the round path's tokens, then the drafter's top-1 where the tree stopped
+        block = torch.cat([anchor.unsqueeze(1), top1], dim=1)
+        on = torch.arange(1, L).unsqueeze(0) <= path_len.unsqueeze(1)
+        block[:, 1:L] = torch.where(on, path_tokens[:, 1:], block[:, 1:L])
+        self.trajectory.write(slots, block[:, 1:], path_post, path_len, accepted)
+        if reqs[0].mode == "retrace":  # the round path is the verified chain the memory remembers
+            path_logits = logits.gather(1, path.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            self.memory.write(slots, hidden, block, path_logits, draft_logits, accepted, anchor_pos, path_post,
+                              path_len)
+        return accepted, bonus, path_tokens[:, 1:], path_taps, tree.size - 1
+
     def _extend_context(self, r: Request, taps: torch.Tensor, drafted: bool) -> None:
         """The verify taps of this round become the drafter's next context. A round without a draft call
         gave the drafter nothing: its pending taps (up to the anchor) stay and the new ones follow."""
@@ -305,10 +383,11 @@ class Scheduler:
                 accepted[i], bonus[i] = a, b
         return accepted, bonus, target_argmax
 
-    def _min_length(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """No EOS before a request's min_tokens: masked in the target's logits [N, T, V], before acceptance."""
+    def _min_length(self, logits: torch.Tensor, reqs: list[Request], offsets: torch.Tensor | None = None):
+        """No EOS before a request's min_tokens: masked in the target's logits [N, T, V], before acceptance
+        (offsets [N, T]: which new token each position scores; default 0..T-1, a tree's node depths)."""
         return mask_early_eos(logits, [len(r.output_ids) for r in reqs], [r.params.min_tokens for r in reqs],
-                              self.eos_ids)
+                              self.eos_ids, offsets)
 
     def _sample_one(self, logits: torch.Tensor, r: Request) -> int:
         if r.params.greedy:
@@ -371,6 +450,7 @@ class Scheduler:
             del self.running[r.slot]
             if self.memory is not None:
                 self.memory.clear(r.slot)
+                self.trajectory.clear(r.slot)
             self.backend.release(r.slot)
             self.free_slots.append(r.slot)
             self.free_slots.sort()

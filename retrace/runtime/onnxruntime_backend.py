@@ -47,8 +47,9 @@ from retrace.runtime.lm_head_split import (
 from retrace.runtime.shared_weights import SharedWeights
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-       "tensor(double)": np.float64, "tensor(bfloat16)": None}
-_TORCH = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.float64: torch.float64}
+       "tensor(double)": np.float64, "tensor(bfloat16)": None, "tensor(bool)": np.bool_}
+_TORCH = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.float64: torch.float64,
+          np.bool_: torch.bool}
 KV_MODES = ("gather", "full")
 
 
@@ -250,14 +251,23 @@ class OnnxRuntimeBackend:
         return self.tgraph.sess.get_providers()
 
     # -- Backend protocol ------------------------------------------------------------------------------
-    def target(self, slots, input_ids, positions, logits_index):
+    def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         g = self.tgraph
         N, T = input_ids.shape
         past_len = positions[:, 0].contiguous()
+        has_tree = "tree_mask" in g.inputs
+        if tree_mask is not None and not has_tree:
+            raise RetraceError("this bundle's target graph has no tree_mask input: rebuild it with "
+                               "`retrace-export build --tree-mask` for tree verification, or use --tree-budget 0")
         past = self.tcache.past(slots, int(past_len.max()), self.kv_mode)
         feeds = {"input_ids": input_ids.to(torch.int64), "position_ids": positions.to(torch.int64),
                  "past_len": past_len.to(torch.int64), "logits_index": logits_index.to(torch.int64)}
         feeds.update(zip(g.past_names, past, strict=True))
+        if has_tree:  # a chain's mask is the causal triangle
+            feeds["tree_mask"] = (tree_mask if tree_mask is not None
+                                  else torch.ones(T, T, dtype=torch.bool).tril().expand(N, T, T)).to(torch.bool)
+        if tree_mask is not None:  # node m's K/V at scratch index positions[:, 0] + m (see commit_path)
+            positions = past_len.unsqueeze(1) + torch.arange(T)
         K = logits_index.shape[1]
         out = {"taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
         if g.rows:
@@ -306,6 +316,10 @@ class OnnxRuntimeBackend:
         hidden = out["hidden"]
         logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
         return (hidden if hidden.dtype == torch.float32 else hidden.float()), logits
+
+    def commit_path(self, slots, src_index, dst_pos) -> None:
+        kv = self.tcache.kv
+        kv[:, slots[:, None], :, dst_pos] = kv[:, slots[:, None], :, src_index]
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear

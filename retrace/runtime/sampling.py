@@ -73,13 +73,15 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def mask_early_eos(logits: torch.Tensor, produced: list[int], min_tokens: list[int],
-                   eos_ids: set[int] | tuple[int, ...]) -> torch.Tensor:
-    """logits [N, T, V]; position j of row i scores new token produced[i] + j. EOS logits become -inf where
-    that token would come before min_tokens[i] (a copy; the input itself when nothing is masked)."""
+                   eos_ids: set[int] | tuple[int, ...], offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, T, V]; position j of row i scores new token produced[i] + offsets[i, j] (default j; a
+    tree's node depth). EOS logits become -inf where that token would come before min_tokens[i] (a copy;
+    the input itself when nothing is masked)."""
     if not eos_ids or all(m <= n for m, n in zip(min_tokens, produced, strict=True)):
         return logits  # the common case, checked without tensors: every round calls this
     need = torch.tensor(min_tokens) - torch.tensor(produced)  # tokens row i still needs before EOS may come
-    early = torch.arange(logits.shape[1]).unsqueeze(0) < need.unsqueeze(1)  # [N, T]
+    at = torch.arange(logits.shape[1]).unsqueeze(0) if offsets is None else offsets
+    early = at < need.unsqueeze(1)  # [N, T]
     eos = torch.tensor(sorted(eos_ids))
     out = logits.clone()
     out[..., eos] = out[..., eos].masked_fill(early.unsqueeze(-1), float("-inf"))

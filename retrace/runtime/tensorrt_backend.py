@@ -185,7 +185,9 @@ class TensorRTBackend:
 
     # -- Backend protocol ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def target(self, slots, input_ids, positions, logits_index):
+    def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
+        if tree_mask is not None:
+            raise RetraceError("the TensorRT backend has no tree verification (use --tree-budget 0)")
         eng, cache = self.engines["target"], self.caches["target"]
         slots_d = slots.to(self.device)
         past_len = positions[:, 0]
@@ -220,6 +222,9 @@ class TensorRTBackend:
                     [out[n] for n in eng.kv_names("new_value")])
         t = eng.output_table
         return out[t["hidden"]].float().cpu(), out[t["logits"]].float().cpu()
+
+    def commit_path(self, slots, src_index, dst_pos) -> None:
+        raise RetraceError("the TensorRT backend has no tree verification (use --tree-budget 0)")
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache rows; nothing to clear

@@ -31,6 +31,12 @@ class KVCache:
         for cache, new in zip(self.k + self.v, new_k + new_v, strict=True):
             cache[rows, :, positions] = new.transpose(1, 2).to(cache.dtype)  # [N, T, Hkv, hd] at (slot, position)
 
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V at indices src [N, L] to dst [N, L] of each slot (all read before any is written)."""
+        rows = slots[:, None]
+        for cache in self.k + self.v:
+            cache[rows, :, dst] = cache[rows, :, src]
+
 
 class TorchBackend:
     name = "torch"
@@ -65,12 +71,19 @@ class TorchBackend:
         return cls(target, drafter, **kwargs)
 
     @torch.inference_mode()
-    def target(self, slots, input_ids, positions, logits_index):
+    def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         past_len = positions[:, 0]
         pk, pv = self.tcache.past(slots, int(past_len.max()))
-        logits, taps, nk, nv = self.target_model(input_ids, positions, pk, pv, past_len, logits_index)
+        logits, taps, nk, nv = self.target_model(input_ids, positions, pk, pv, past_len, logits_index,
+                                                  tree_mask=tree_mask)
+        if tree_mask is not None:  # node m's K/V at scratch index positions[:, 0] + m (see commit_path)
+            positions = past_len.unsqueeze(1) + torch.arange(input_ids.shape[1], device=positions.device)
         self.tcache.write(slots, positions, nk, nv)
         return logits, taps
+
+    @torch.inference_mode()
+    def commit_path(self, slots, src_index, dst_pos):
+        self.tcache.move(slots, src_index, dst_pos)
 
     @torch.inference_mode()
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):

@@ -338,10 +338,14 @@ def zoo_draft_ar(zoo_dir, out_dir, layers, seconds, num_prompts, threads, seed, 
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--verify-policy", type=click.Choice(["fixed", "adaptive"]), default="fixed", show_default=True,
               help="fixed: every round verifies the whole block (tau measures the drafter); adaptive: as served")
+@click.option("--tree-budget", type=int, default=0, show_default=True,
+              help="verify a draft tree of at most N tokens per row and round in every mode (0 = the chain)")
+@click.option("--tree-sources", default="topk,suffix,target", show_default=True,
+              help="a draft tree's candidates: topk, suffix (the previous round's rejected suffix), target")
 @click.option("--json", "as_json", is_flag=True)
 @cli_errors
 def eval_cmd(target_dir, drafter_dir, prompts_files, max_new_tokens, temperature, block_size, modes, limit, max_batch,
-             seed, threads, device, verify_policy, as_json) -> None:
+             seed, threads, device, verify_policy, tree_budget, tree_sources, as_json) -> None:
     """Acceptance length tau of dflash vs retrace on the same prompts (per prompt, pooled, paired SE)."""
     from retrace.errors import RetraceError
     from retrace.train.evaluate import evaluate, format_report
@@ -351,7 +355,7 @@ def eval_cmd(target_dir, drafter_dir, prompts_files, max_new_tokens, temperature
     if bad or not mlist:
         raise RetraceError(f"--modes takes dflash and/or retrace, got {modes!r}")
     rep = evaluate(target_dir, drafter_dir, list(prompts_files), max_new_tokens, temperature, block_size, mlist,
-                   max_batch, seed, limit, threads, device, verify_policy)
+                   max_batch, seed, limit, threads, device, verify_policy, tree_budget, tree_sources)
     click.echo(json.dumps(rep) if as_json else format_report(rep))
 
 

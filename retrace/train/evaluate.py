@@ -33,9 +33,11 @@ def paired_stats(a: list[float | None], b: list[float | None]) -> dict:
 
 def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "retrace"), max_new_tokens: int = 96,
                 temperature: float = 0.0, block_size: int | None = None, max_batch: int = 32, seed: int = 0,
-                device="cpu", verify_policy: str = "fixed") -> dict:
+                device="cpu", verify_policy: str = "fixed", tree_budget: int = 0,
+                tree_sources: str = "topk,suffix,target") -> dict:
     """Run every mode on the same prompts; returns the JSON-able report (see the module docstring).
-    verify_policy "fixed" (the default) verifies the whole block: tau then measures the drafter alone."""
+    verify_policy "fixed" (the default) verifies the whole block: tau then measures the drafter alone.
+    tree_budget > 0: every mode verifies draft trees instead (runtime/draft_tree.py)."""
     if not prompts:
         raise RetraceError("no prompts to evaluate")
     B = block_size or drafter.config.block_size
@@ -45,14 +47,15 @@ def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "ret
         raise RetraceError("mode 'retrace' needs a ReTrace conditioner beside the drafter")
     was = drafter.training
     drafter.eval()
-    max_len = max(len(p) for p in prompts) + max_new_tokens + B + 2
+    max_len = max(len(p) for p in prompts) + max_new_tokens + max(B, tree_budget) + 2
     out: dict = {"modes": {}}
     outputs = {}
     for mode in modes:
         be = make_backend(target, drafter, min(max_batch, len(prompts)), max_len, device)
         t0 = time.perf_counter()
         rolls, sched = run_requests(be, prompts, mode, max_new_tokens, temperature, seed, block_size=B,
-                                    verify_policy=verify_policy)
+                                    verify_policy=verify_policy, tree_budget=tree_budget,
+                                    tree_sources=tree_sources)
         wall = time.perf_counter() - t0
         per = [None if r.tau is None else round(r.tau, 5) for r in rolls]
         vals = [t for t in per if t is not None]
@@ -75,7 +78,8 @@ def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "ret
         out["outputs_equal"] = all(o == first for o in outputs.values())
     out["tau_kind"] = "tau = per-prompt mean; tau_pooled = accepted tokens / rounds over all prompts"
     out["settings"] = {"n_prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": temperature,
-                       "block_size": B, "seed": seed, "max_batch": max_batch, "verify_policy": verify_policy}
+                       "block_size": B, "seed": seed, "max_batch": max_batch, "verify_policy": verify_policy,
+                       **({"tree_budget": tree_budget, "tree_sources": tree_sources} if tree_budget else {})}
     return out
 
 
@@ -89,7 +93,7 @@ def tau_worker(target_dir: str, drafter_dir: str, prompts: list[list[int]], mode
 def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_files: list[str | Path], max_new_tokens: int = 96,
              temperature: float = 0.0, block_size: int | None = None, modes=("dflash", "retrace"), max_batch: int = 32,
              seed: int = 0, limit: int | None = None, threads: int | None = None, device: str = "cpu",
-             verify_policy: str = "fixed") -> dict:
+             verify_policy: str = "fixed", tree_budget: int = 0, tree_sources: str = "topk,suffix,target") -> dict:
     """Load the pair, read prompts (JSONL: 'prompt' text or 'prompt_ids'), report tau (see tau_by_mode)."""
     dev = cm.resolve_device(device)
     with cm.torch_threads(threads):
@@ -104,7 +108,7 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_files: lis
             rows = rows[:limit]
         prompts = cm.encode_prompts(rows, codec)
         rep = tau_by_mode(target, drafter, prompts, modes, max_new_tokens, temperature, block_size, max_batch, seed, dev,
-                          verify_policy)
+                          verify_policy, tree_budget, tree_sources)
     domains = [r.get("domain") for r in rows]
     if any(domains):
         rep["by_domain"] = {}

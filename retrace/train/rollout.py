@@ -154,11 +154,13 @@ class RecordingBackend:
 def run_requests(backend, prompts: list[list[int]], mode: str, max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0, block_size: int | None = None, eos_ids: tuple[int, ...] | None = None,
                  record: bool = False, keep_debug: bool = False, keep_empty: bool = False,
-                 progress=None, verify_policy: str = "fixed") -> tuple[list[Rollout], Scheduler]:
+                 progress=None, verify_policy: str = "fixed", tree_budget: int = 0,
+                 tree_sources: str = "topk,suffix,target") -> tuple[list[Rollout], Scheduler]:
     """Run every prompt through one continuous batch of `backend.max_batch` slots. Returns one Rollout per
     prompt (output ids, per-round accepted counts, and with `record` the retrace suffix records)."""
     rec_be = RecordingBackend(backend, keep_debug=keep_debug, keep_empty=keep_empty) if record else backend
-    sched = Scheduler(rec_be, None, block_size, eos_ids=eos_ids, verify_policy=verify_policy)
+    sched = Scheduler(rec_be, None, block_size, eos_ids=eos_ids, verify_policy=verify_policy, tree_budget=tree_budget,
+                      tree_sources=tree_sources)
     if record:
         rec_be.sched = sched
     reqs = []

@@ -1,0 +1,202 @@
+"""Draft trees: the candidates of one round as a token tree per row, built best-first under a node budget.
+
+A tree (plain tensors, ragged per row, padded to the longest row's M nodes):
+  tokens [N, M]  node 0 is the root (the anchor); pads hold 0
+  parent [N, M]  parent node index (< own index); the root and pads point at 0
+  depth  [N, M]  0 for the root; node m sits at absolute position anchor_pos + depth[m]
+  source [N, M]  bit mask of the sources that proposed the node (SOURCE_BITS); 0 for root and pads
+  size   [N]     valid nodes per row (<= budget, root counted)
+A node's children have distinct tokens, so at most one node per depth can match the target.
+
+Sources (each proposes children of a node; a node proposed by several keeps all their bits):
+  topk    the drafter's per-slot distribution q_k: child t of a depth-(k-1) node scores s * q_k(t), as in
+          DDTree / EAGLE-2 (cumulative draft probability);
+  suffix  the previous round's rejected suffix aligned to this block: old draft d_j at new slot
+          k = j - a - 1 (runtime/suffix_memory.py's alignment), drafted-but-unverified slots included;
+  target  the target's argmax at old slot j-1 of the rejected verify, at the same new slot k.
+The suffix and target sources are chains from the root: a node continues a chain only if its whole root
+path is that chain's prefix. Their children score s * max(q_k(t), rate), rate the source's measured
+marginal acceptance rate (SourceRates: accepted / proposed among the nodes only that source proposed whose
+parent was accepted), so the budget goes to rejected-trajectory candidates only while they add tokens the
+drafter's top-k does not already hold. Best-first = the budget's nodes with the highest scores
+among the candidates of nodes already in the tree (a heap; each popped node pushes its best top-k child,
+its next top-k sibling, and its chains' next tokens).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from retrace.errors import RetraceError
+
+SOURCES = ("topk", "suffix", "target")
+SOURCE_BITS = {"topk": 1, "suffix": 2, "target": 4}
+
+
+def parse_sources(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """"topk,suffix,target" -> ("topk", "suffix", "target") (validated, deduplicated, in SOURCES order)."""
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
+    names = [s for s in names if s]
+    bad = [s for s in names if s not in SOURCES]
+    if bad or not names:
+        raise RetraceError(f"tree sources {bad or names!r}: choose one or more of {', '.join(SOURCES)}")
+    return tuple(s for s in SOURCES if s in names)
+
+
+def check_budget(budget: int, block_size: int) -> int:
+    if not isinstance(budget, int) or budget < 0 or budget == 1:
+        raise RetraceError(f"tree budget must be 0 (chain) or >= 2 nodes (root included), got {budget!r}")
+    return budget
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    source: torch.Tensor
+    size: torch.Tensor
+
+    @property
+    def nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def valid(self) -> torch.Tensor:
+        """[N, M] bool: real nodes (not padding)."""
+        return torch.arange(self.nodes).unsqueeze(0) < self.size.unsqueeze(1)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, M, M] bool: mask[n, i, j] = node j is node i or one of its ancestors (tree attention). Pads see
+        only themselves. Built depth by depth: row i of the mask is its parent's row plus itself."""
+        N, M = self.tokens.shape
+        eye = torch.eye(M, dtype=torch.bool).expand(N, M, M).clone()
+        mask = eye.clone()
+        valid = self.valid()
+        for m in range(1, M):  # parents come before children
+            par = mask[torch.arange(N), self.parent[:, m]] & valid[:, m : m + 1]
+            mask[:, m] |= par
+        return mask
+
+
+class SourceRates:
+    """Per-source acceptance rate of the tree nodes only that source proposed, whose parent was accepted
+    (a running count with a prior)."""
+
+    def __init__(self, prior: float = 0.5, weight: float = 4.0):
+        self.hits = {s: prior * weight for s in SOURCES}
+        self.tries = {s: weight for s in SOURCES}
+
+    def rate(self, source: str) -> float:
+        return self.hits[source] / self.tries[source]
+
+    def observe(self, source: str, tries: int, hits: int) -> None:
+        self.hits[source] += hits
+        self.tries[source] += tries
+
+
+def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, sources: tuple[str, ...],
+                chains: dict[str, torch.Tensor] | None = None, rates: SourceRates | None = None,
+                sampled: torch.Tensor | None = None) -> DraftTree:
+    """draft_probs [N, S, V]: the drafter's distribution at slots 1..S; anchors [N]; chains: source name ->
+    [N, S] tokens at new slots 1..S (-1: none; a chain stops at its first -1). sampled [N, S]: the drafts of
+    sampling rows (drawn from the drafter's processed distribution; -1 for greedy rows). -> DraftTree of
+    <= budget nodes per row (depth <= S).
+
+    A sampling row's tree is independent chains from the root: the sampled drafts (in place of the top-k,
+    with the `topk` bit), the suffix and the target chain, each continued only under its own nodes, no
+    merging, scored without looking at the sampled tokens (s * rate of `topk` for a sampled node). So the
+    tree's shape never depends on the sampled tokens, which the lossless rule of runtime/tree_accept.py
+    needs (a sampled child is then a plain draw from q)."""
+    N, S, V = draft_probs.shape
+    rates = rates or SourceRates()
+    use_topk = "topk" in sources
+    chain_names = [s for s in ("suffix", "target") if s in sources and chains is not None and s in chains]
+    kmax = min(budget, V)
+    top_p = top_t = None
+    if use_topk and S:
+        top = torch.topk(draft_probs.float(), kmax, dim=-1)
+        top_p, top_t = top.values.tolist(), top.indices.tolist()
+    q = draft_probs.float()
+    chain_lists = {s: chains[s][:, :S].tolist() for s in chain_names}
+    # the drafter's probability of each chain token (for the score s * max(q, rate))
+    chain_q = {}
+    for s in chain_names:
+        c = chains[s][:, :S]
+        chain_q[s] = q.gather(2, c.clamp_min(0).unsqueeze(-1)).squeeze(-1).tolist()
+    chain_rate = {s: rates.rate(s) for s in chain_names}
+    if sampled is not None and bool((sampled[:, 0] >= 0).any()):
+        chain_lists["sampled"] = sampled[:, :S].tolist()
+        chain_q["sampled"] = [[0.0] * S for _ in range(N)]
+        chain_rate["sampled"] = rates.rate("topk")
+    rows = []
+    for n in range(N):
+        rows.append(_build_row(n, int(anchors[n]), budget, S, top_p, top_t, chain_lists, chain_q, chain_rate))
+    M = max(len(r[0]) for r in rows)
+    tokens = torch.zeros(N, M, dtype=torch.int64)
+    parent = torch.zeros(N, M, dtype=torch.int64)
+    depth = torch.zeros(N, M, dtype=torch.int64)
+    source = torch.zeros(N, M, dtype=torch.int64)
+    for n, (tok, par, dep, src) in enumerate(rows):
+        m = len(tok)
+        tokens[n, :m] = torch.tensor(tok)
+        parent[n, :m] = torch.tensor(par)
+        depth[n, :m] = torch.tensor(dep)
+        source[n, :m] = torch.tensor(src)
+    size = torch.tensor([len(r[0]) for r in rows], dtype=torch.int64)
+    return DraftTree(tokens, parent, depth, source, size)
+
+
+def _build_row(n, anchor, budget, S, top_p, top_t, chain_lists, chain_q, chain_rate):
+    independent = "sampled" in chain_lists and chain_lists["sampled"][n][0] >= 0  # a sampling row
+    if independent:
+        top_p = None
+    tok, par, dep, src, score = [anchor], [0], [0], [0], [1.0]
+    chains_of = [set(chain_lists)]  # the chains whose prefix each node's root path is
+    child = {}  # (parent, token) -> node
+    heap: list[tuple] = []  # (-score, tie, parent, depth, token, bits, topk rank or -1)
+    tie = 0
+
+    def push(sc, p, d, t, bits, rank):
+        nonlocal tie
+        heapq.heappush(heap, (-sc, tie, p, d, t, bits, rank))
+        tie += 1
+
+    def push_children(node: int) -> None:
+        d = dep[node]
+        if d >= S:
+            return
+        if top_p is not None:
+            push(score[node] * top_p[n][d][0], node, d + 1, top_t[n][d][0], 1, 0)
+        for s in chains_of[node]:
+            t = chain_lists[s][n][d]
+            if t >= 0:
+                push(score[node] * max(chain_q[s][n][d], chain_rate[s]), node, d + 1, t, _bit(s), -1)
+
+    push_children(0)
+    while heap and len(tok) < budget:
+        neg, _, p, d, t, bits, rank = heapq.heappop(heap)
+        if rank >= 0 and rank + 1 < len(top_p[n][d - 1]):  # the next top-k sibling
+            push(score[p] * top_p[n][d - 1][rank + 1], p, d, top_t[n][d - 1][rank + 1], 1, rank + 1)
+        node = None if independent else child.get((p, t))
+        if node is not None:  # already in the tree: another source proposes it too
+            src[node] |= bits
+            continue
+        on = {s for s in chains_of[p] if chain_lists[s][n][d - 1] == t}
+        if independent:  # only the chain that proposed it
+            on = {s for s in on if _bit(s) == bits}
+        child[(p, t)] = len(tok)
+        tok.append(t)
+        par.append(p)
+        dep.append(d)
+        src.append(bits | sum(_bit(s) for s in on))
+        score.append(-neg)
+        chains_of.append(on)
+        push_children(len(tok) - 1)
+    return tok, par, dep, src
+
+
+def _bit(source: str) -> int:
+    return SOURCE_BITS.get(source, SOURCE_BITS["topk"])  # "sampled": the drafter's own proposal

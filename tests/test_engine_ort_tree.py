@@ -1,0 +1,65 @@
+"""Tree verification on the ONNX Runtime backend: a bundle built with `--tree-mask` gives the same tokens
+as the torch backend and as transformers' greedy decode (the build's own parity check covers a random
+tree's logits, taps and K/V); a bundle without the input keeps serving chains and refuses trees clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, pair_and_bundle
+from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, single_thread, write_pair
+
+from retrace.errors import RetraceError
+from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from retrace.runtime.torch_backend import TorchBackend
+
+pytest.importorskip("onnxruntime")
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tree_bundle(tmp_path_factory):
+    from retrace.export.cli import main
+
+    root = tmp_path_factory.mktemp("ort-tree")
+    target, drafter = write_pair(root, vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
+                                 block_size=BLOCK, conditioner="random", seed=3)
+    bundle = root / "bundle"
+    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out", str(bundle),
+                                    "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ), "--tree-mask",
+                                    "--quiet"])
+    assert res.exit_code == 0, res.output
+    return target, drafter, bundle
+
+
+def test_tree_on_onnxruntime_equals_torch_and_transformers(tree_bundle):
+    target, drafter, bundle = tree_bundle
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (5, 1, 9, 3)]
+    hf = load_hf_target(target)
+    greedy = [hf_greedy(hf, p, MAX_NEW + 40) for p in prompts]
+    seqs = {tuple(p): p + q for p, q in zip(prompts, greedy, strict=True)}
+    with single_thread():
+        for mode in ("dflash", "retrace"):
+            outs = {}
+            for name in ("torch", "onnxruntime"):
+                be = (TorchBackend.from_dirs(target, drafter, max_batch=3, max_seq_len=MAX_SEQ) if name == "torch"
+                      else OnnxRuntimeBackend.from_bundle(bundle, max_batch=3))
+                rt = Runtime(OracleDrafter(be, seqs, seed=1), verify_policy="fixed", tree_budget=12)
+                res = rt.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), mode)
+                outs[name] = [r.token_ids for r in res]
+                assert rt.run_stats()["tau"] > 1.5
+            assert outs["onnxruntime"] == outs["torch"] == [q[:MAX_NEW] for q in greedy], mode
+
+
+def test_bundle_without_tree_mask_refuses_trees_and_serves_chains():
+    built = pair_and_bundle()
+    be = OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=2)
+    rt = Runtime(be, verify_policy="fixed", tree_budget=8)
+    with pytest.raises(RetraceError, match="--tree-mask"):
+        rt.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4), "dflash")
+    rt = Runtime(OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=2), verify_policy="fixed")
+    (res,) = rt.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4), "dflash")
+    assert len(res.token_ids) == 4
