@@ -49,15 +49,16 @@ def world(tmp_path_factory, _one_thread):
     return dict(target=target, drafter=drafter, hf=hf, prompts=prompts, free=free, eos=eos)
 
 
-def runtime(w, oracle: bool) -> Runtime:
+def runtime(w, oracle: bool, tree: int = 0) -> Runtime:
     be = TorchBackend.from_dirs(w["target"], w["drafter"], max_batch=4, max_seq_len=128)
     if oracle:  # drafts = the unmasked greedy continuation: they propose EOS before the minimum
         be = OracleDrafter(be, {tuple(p): p + f for p, f in zip(w["prompts"], w["free"], strict=True)})
-    return Runtime(be, TextCodec.find(w["target"]), verify_policy="fixed")
+    return Runtime(be, TextCodec.find(w["target"]), verify_policy="fixed", tree_budget=tree)
 
 
-@pytest.mark.parametrize("oracle", [False, True], ids=["random-drafter", "oracle-drafter"])
-def test_min_tokens_equals_transformers_min_new_tokens(world, oracle):
+@pytest.mark.parametrize("oracle,tree", [(False, 0), (True, 0), (True, 12)],
+                         ids=["random-drafter", "oracle-drafter", "oracle-drafter-tree12"])
+def test_min_tokens_equals_transformers_min_new_tokens(world, oracle, tree):
     hf, eos, prompts = world["hf"], world["eos"], world["prompts"]
     plain = [hf_decode(hf, p, MAX_NEW, eos) for p in prompts]
     assert plain[0][-1] == eos and len(plain[0]) <= 11  # without a minimum, prompt 0 stops early
@@ -65,8 +66,8 @@ def test_min_tokens_equals_transformers_min_new_tokens(world, oracle):
         want = [hf_decode(hf, p, MAX_NEW, eos, min_new) for p in prompts]
         assert all(eos not in w[:min_new] for w in want)
         for mode in ("ar", "dflash", "retrace"):
-            res = runtime(world, oracle).generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, min_tokens=min_new),
-                                                  mode)
+            res = runtime(world, oracle, tree).generate(
+                prompts, SamplingParams(max_new_tokens=MAX_NEW, min_tokens=min_new), mode)
             for i, (r, w) in enumerate(zip(res, want, strict=True)):
                 assert r.token_ids == w, f"{mode} min_tokens {min_new} prompt {i}"
                 assert r.finish_reason == ("stop" if w[-1] == eos else "length")
