@@ -254,10 +254,8 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources)
 
 
-if __name__ == "__main__":
-    main()
-
-
 from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)
 
 main.add_command(serve)
+# `python -m retrace` (retrace/__main__.py), not `python -m retrace.cli`: run as __main__, this module would
+# be imported a second time by retrace.serve.cli (a circular import, and spawn workers re-import __main__)

@@ -7,7 +7,7 @@ set -eu
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 cd "$ROOT"
-"$PY" -m retrace.cli zoo tiny --size test --out gpu-carry/zoo
+"$PY" -m retrace zoo tiny --size test --out gpu-carry/zoo
 "$PY" -m retrace.gpucheck.reference --zoo gpu-carry/zoo --out gpu-carry/cpu_reference.json
 rm -rf gpu-carry/zoo/drafter/train_state gpu-carry/zoo/drafter/train_data
 mkdir -p .whl

@@ -42,9 +42,9 @@ def mode() -> str:
 
 
 def run_portable(args: list[str]) -> tuple[int, str]:
-    """Run `python -m retrace.cli ARGS` with PORTABLE_ENV -> (exit code, its stdout). stderr (progress,
+    """Run `python -m retrace ARGS` with PORTABLE_ENV -> (exit code, its stdout). stderr (progress,
     errors) goes straight through; SIGINT/SIGTERM are passed on, so the child cleans up its staging."""
-    child = subprocess.Popen([sys.executable, "-m", "retrace.cli", *args], env=dict(os.environ, **PORTABLE_ENV),
+    child = subprocess.Popen([sys.executable, "-m", "retrace", *args], env=dict(os.environ, **PORTABLE_ENV),
                              stdout=subprocess.PIPE, text=True)
 
     def forward(signum, _frame):
