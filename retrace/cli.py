@@ -95,8 +95,8 @@ def tree_options(fn):
                       help="where a draft tree's candidates come from: topk (the drafter's per-slot top-k), suffix "
                            "(the previous round's rejected suffix), target (the target's argmax on it)")(fn)
     return click.option("--tree-budget", type=int, default=0, show_default=True,
-                        help="verify a draft tree of at most N tokens per row and round (root included); "
-                             "0 = the chain")(fn)
+                        help="verify a draft tree of at most N tokens per row and round (root included; "
+                             "--verify-policy adaptive picks how many pay, fixed: N); 0 = the chain")(fn)
 
 
 def verify_policy_option(default: str):
@@ -234,13 +234,15 @@ main.add_command(eval_cmd)
 @click.option("--readme-table", is_flag=True, help="print the results as a markdown table (for the README)")
 @verify_policy_option("adaptive")
 @tree_options
+@click.option("--tree-fixed", default="", help="also run retrace-<backend>-<mode>-tree<b>-fixed: trees of exactly "
+                                               "b tokens a round, for each b of this comma list (e.g. 4,8,16)")
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
           no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, tree_budget,
-          tree_sources, markdown_out, from_json) -> None:
+          tree_sources, tree_fixed, markdown_out, from_json) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -251,7 +253,8 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   json_out=json_out, plot_out=plot_out,
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()),
-                  verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources)
+                  verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
+                  tree_fixed=tree_fixed)
 
 
 from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)

@@ -230,3 +230,23 @@ def test_onnxruntime_backend_from_engine_bundle(tmp_path):
     assert r["builds"]["onnxruntime_bundle"]["given"]
     assert r["profile"]["system"] == "retrace-onnxruntime-retrace" and (tmp_path / "prof.out").is_file()
     assert r["goals"]["system"] == "retrace-onnxruntime-retrace"
+
+
+def test_tree_systems_run_under_the_policy_and_at_fixed_budgets(tmp_path):
+    """--tree-budget 6 adds retrace-<backend>-<mode>-tree (the verify policy picks <= 6 nodes a round),
+    --tree-fixed 3 adds -tree3-fixed (exactly 3: at most 2 verified beyond the root); same tokens as ar."""
+    import torch
+
+    threads = torch.get_num_threads()
+    target, drafter, prompts = write_bench_pair(tmp_path)
+    try:
+        results, _, _ = bench(tmp_path, target, drafter, prompts, "--systems", "retrace-torch-ar,retrace-torch-dflash-tree*",
+                              "--tree-budget", 6, "--tree-fixed", 3, "--peer-env", "inherit")
+    finally:
+        torch.set_num_threads(threads)
+    names = {s["name"] for s in results["systems"] if s["status"] == "ok"}
+    assert names == {"retrace-torch-ar", "retrace-torch-dflash-tree", "retrace-torch-dflash-tree3-fixed"}, names
+    for b in (1, 2):
+        fixed = entry(results, "retrace-torch-dflash-tree3-fixed", b)
+        assert len(fixed["verify_hist"]) <= 3 and fixed["agreement"]["prompts_mismatched"] == 0, fixed
+        assert entry(results, "retrace-torch-dflash-tree", b)["agreement"]["prompts_mismatched"] == 0

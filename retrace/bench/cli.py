@@ -27,13 +27,13 @@ def command_line(ctx) -> str:
     return shlex.join(words)
 
 
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
+def parse_batch_sizes(text: str, option: str = "--batch-sizes") -> tuple[int, ...]:
     try:
         sizes = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise RetraceError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+        raise RetraceError(f"{option} must be comma-separated integers, got {text!r}") from None
     if not sizes or any(b < 1 for b in sizes):
-        raise RetraceError(f"--batch-sizes must be positive integers, got {text!r}")
+        raise RetraceError(f"{option} must be positive integers, got {text!r}")
     return sizes
 
 
@@ -64,7 +64,7 @@ def render_saved(from_json: str, plot_out: str | None, readme_table: bool, markd
 def bench_command(*, target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems,
                   cache_dir, build_engine, json_out, plot_out, profile_out, readme_table, markdown_out, from_json,
                   command, draft_ar=None, peer_env="measure", verify_policy: str = "adaptive", tree_budget: int = 0,
-                  tree_sources: str = "topk,suffix,target") -> dict:
+                  tree_sources: str = "topk,suffix,target", tree_fixed: str = "") -> dict:
     if from_json:
         return render_saved(from_json, plot_out, readme_table, markdown_out)
     if not target or not drafter:
@@ -83,5 +83,6 @@ def bench_command(*, target, drafter, engine, prompts, max_new_tokens, batch_siz
                       max_new_tokens=max_new_tokens, batch_sizes=parse_batch_sizes(batch_sizes), runs=runs,
                       limit=limit, threads=threads, systems=pats, cache_dir=cache_dir, build_engine=build_engine,
                       profile=profile_out, command=command, draft_ar=draft_ar, peer_env=peer_env,
-                      verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources)
+                      verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
+                      tree_fixed=parse_batch_sizes(tree_fixed, "--tree-fixed") if tree_fixed else ())
     return run_and_report(cfg, json_out, plot_out, readme_table, markdown_out=markdown_out)

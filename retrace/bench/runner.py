@@ -52,7 +52,10 @@ class BenchConfig:
     warmup: bool = True
     profile: str | None = None  # write a cProfile of one headline retrace run here
     verify_policy: str = "adaptive"  # what retrace-<backend>-<mode> runs; -fixed names run the whole block
-    tree_budget: int = 0  # > 0: also retrace-torch-<mode>-tree (draft trees of this many tokens a round)
+    # > 0: also retrace-<backend>-<mode>-tree (draft trees of <= this many tokens a round, verify_policy picks)
+    # and -tree<b>-fixed for each b of tree_fixed (exactly b); ONNX Runtime: a bundle built with --tree-mask
+    tree_budget: int = 0
+    tree_fixed: tuple[int, ...] = ()
     tree_sources: str = "topk,suffix,target"
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -139,8 +142,11 @@ def _retrace_names(backend: str, cfg: BenchConfig) -> list[tuple[str, str, str]]
     """(name, mode, verify policy): retrace-<backend>-<mode> runs cfg.verify_policy, -fixed the whole block."""
     out = [(f"retrace-{backend}-{m}", m, cfg.verify_policy) for m in MODES]
     out += [(f"retrace-{backend}-{m}-fixed", m, "fixed") for m in MODES if m != "ar"]
-    if cfg.tree_budget and backend == "torch":  # bundles need --tree-mask (the bench's own build has none)
-        out += [(f"retrace-{backend}-{m}-tree", m, "tree") for m in MODES if m != "ar"]
+    if cfg.tree_budget:  # bundles need --tree-mask (the bench's own build has none)
+        out += [(f"retrace-{backend}-{m}-tree", m, f"tree:{cfg.verify_policy}:{cfg.tree_budget}")
+                for m in MODES if m != "ar"]
+    out += [(f"retrace-{backend}-{m}-tree{b}-fixed", m, f"tree:fixed:{b}") for b in cfg.tree_fixed
+            for m in MODES if m != "ar"]
     return [x for x in out if _wanted(x[0], cfg.systems)]
 
 
@@ -157,9 +163,14 @@ def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig) -> None:
         if mode != "ar" and rt.backend.drafter_config is None:
             built.skip([name], "no drafter")
             continue
-        if policy == "tree" and policy not in runtimes:
-            runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy="fixed",
-                                       tree_budget=cfg.tree_budget, tree_sources=cfg.tree_sources)
+        if policy.startswith("tree:") and policy not in runtimes:
+            graph = getattr(rt.backend, "tgraph", None)  # an ONNX Runtime bundle: its target graph
+            if graph is not None and "tree_mask" not in graph.inputs:
+                built.skip([name], "the bundle's target graph has no tree_mask input (retrace-export build --tree-mask)")
+                continue
+            _, tree_policy, budget = policy.split(":")
+            runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy=tree_policy,
+                                       tree_budget=int(budget), tree_sources=cfg.tree_sources)
         if policy not in runtimes:
             runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy=policy)
         built.systems.append(RetraceSystem(runtimes[policy], backend, mode, timers, name))
@@ -295,13 +306,14 @@ def run_bench(cfg: BenchConfig, console=None, show_progress: bool = True) -> dic
     N = cfg.max_new_tokens
     B = dcfg.block_size
     ctx = int(tcfg.max_position_embeddings)
-    max_prompt = ctx - N - max(B, cfg.tree_budget) - 2
+    tree_max = max((cfg.tree_budget, *cfg.tree_fixed))
+    max_prompt = ctx - N - max(B, tree_max) - 2
     if max_prompt < 1:
         raise RetraceError(f"--max-new-tokens {N} + block {B} does not fit the target's context of {ctx} tokens")
     prompts: list[BenchPrompt] = load_prompts(cfg.prompts, TextCodec.find(cfg.target), cfg.limit,
                                               tcfg.vocab_size, max_prompt)
     ids = [p.ids for p in prompts]
-    max_seq_len = max(len(i) for i in ids) + N + max(B, cfg.tree_budget) + 2
+    max_seq_len = max(len(i) for i in ids) + N + max(B, tree_max) + 2
     batch_sizes = tuple(sorted(set(cfg.batch_sizes)))
 
     # a bundle built here is sized for the benchmark: the batch and the target's whole context

@@ -48,7 +48,8 @@ class Runtime:
         """verify_policy: how many drafts each round verifies, for every request of this runtime:
         "adaptive" (what pays on this machine, runtime/verify_policy.py), "fixed" (the whole block), or a
         policy object. tree_budget > 0: verify a draft tree of at most that many nodes per row instead
-        (runtime/draft_tree.py) from tree_sources ("topk,suffix,target")."""
+        (runtime/draft_tree.py) from tree_sources ("topk,suffix,target"); the policy picks how many of its
+        best-first nodes each round verifies ("fixed": all; "adaptive": runtime/tree_budget.py)."""
         if isinstance(verify_policy, str) and verify_policy not in POLICIES:
             raise RetraceError(f"unknown verify policy {verify_policy!r} (choose from {', '.join(POLICIES)})")
         self.backend = backend

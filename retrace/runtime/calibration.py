@@ -41,13 +41,20 @@ class Calibration:
         a, K = accepted.unsqueeze(1), verified.unsqueeze(1)
         hit = k < a
         seen = hit | ((k == a) & (a < K))
-        idx = self._bin(conf)[seen]
-        self.trials += torch.bincount(idx, minlength=self.bins).double()
-        self.hits += torch.bincount(idx, weights=hit[seen].double(), minlength=self.bins)
-        full = self.trials > self.window
-        self.trials[full] /= 2
-        self.hits[full] /= 2
+        self.observe_pairs(conf[seen], hit[seen])
 
     def to_dict(self) -> dict:
         return {"rate": [round(float(x), 4) for x in self.hits / self.trials],
                 "trials": [round(float(x), 1) for x in self.trials]}
+
+    def observe_pairs(self, conf: torch.Tensor, hit: torch.Tensor) -> None:
+        """One observation per element: conf [n] and whether that candidate was accepted, hit [n] (tree nodes
+        whose parent was accepted)."""
+        if conf.numel() == 0:
+            return
+        idx = self._bin(conf)
+        self.trials += torch.bincount(idx, minlength=self.bins).double()
+        self.hits += torch.bincount(idx, weights=hit.double(), minlength=self.bins)
+        full = self.trials > self.window
+        self.trials[full] /= 2
+        self.hits[full] /= 2

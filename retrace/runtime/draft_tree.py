@@ -6,6 +6,8 @@ A tree (plain tensors, ragged per row, padded to the longest row's M nodes):
   depth  [N, M]  0 for the root; node m sits at absolute position anchor_pos + depth[m]
   source [N, M]  bit mask of the sources that proposed the node (SOURCE_BITS); 0 for root and pads
   size   [N]     valid nodes per row (<= budget, root counted)
+  score  [N, M]  the best-first score of each node (cumulative: its parent's times its own factor; root 1,
+                 pads 0); node order is pop order, so the first b nodes are the tree of budget b
 A node's children have distinct tokens, so at most one node per depth can match the target.
 
 Sources (each proposes children of a node; a node proposed by several keeps all their bits):
@@ -59,6 +61,7 @@ class DraftTree:
     depth: torch.Tensor
     source: torch.Tensor
     size: torch.Tensor
+    score: torch.Tensor | None = None
 
     @property
     def nodes(self) -> int:
@@ -67,6 +70,23 @@ class DraftTree:
     def valid(self) -> torch.Tensor:
         """[N, M] bool: real nodes (not padding)."""
         return torch.arange(self.nodes).unsqueeze(0) < self.size.unsqueeze(1)
+
+    def truncate(self, budget: int) -> DraftTree:
+        """The first `budget` nodes of every row: the tree build_trees makes with that budget (nodes are in
+        best-first pop order, parents before children)."""
+        if budget >= self.nodes:
+            return self
+        cut = slice(0, budget)
+        return DraftTree(self.tokens[:, cut], self.parent[:, cut], self.depth[:, cut], self.source[:, cut],
+                         self.size.clamp_max(budget), None if self.score is None else self.score[:, cut])
+
+    def factor(self) -> torch.Tensor:
+        """[N, M] each node's own score factor (score / parent's score; root 1, pads 0): the builder's
+        estimate of the node's acceptance given its parent's."""
+        par = self.score.gather(1, self.parent)
+        f = torch.where(par > 0, self.score / par.clamp_min(1e-30), torch.zeros_like(self.score))
+        f[:, 0] = 1.0
+        return f
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, M, M] bool: mask[n, i, j] = node j is node i or one of its ancestors (tree attention). Pads see
@@ -139,14 +159,16 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
     parent = torch.zeros(N, M, dtype=torch.int64)
     depth = torch.zeros(N, M, dtype=torch.int64)
     source = torch.zeros(N, M, dtype=torch.int64)
-    for n, (tok, par, dep, src) in enumerate(rows):
+    score = torch.zeros(N, M, dtype=torch.float64)
+    for n, (tok, par, dep, src, sc) in enumerate(rows):
         m = len(tok)
         tokens[n, :m] = torch.tensor(tok)
         parent[n, :m] = torch.tensor(par)
         depth[n, :m] = torch.tensor(dep)
         source[n, :m] = torch.tensor(src)
+        score[n, :m] = torch.tensor(sc, dtype=torch.float64)
     size = torch.tensor([len(r[0]) for r in rows], dtype=torch.int64)
-    return DraftTree(tokens, parent, depth, source, size)
+    return DraftTree(tokens, parent, depth, source, size, score)
 
 
 def _build_row(n, anchor, budget, S, top_p, top_t, chain_lists, chain_q, chain_rate):
@@ -195,7 +217,7 @@ def _build_row(n, anchor, budget, S, top_p, top_t, chain_lists, chain_q, chain_r
         score.append(-neg)
         chains_of.append(on)
         push_children(len(tok) - 1)
-    return tok, par, dep, src
+    return tok, par, dep, src, score
 
 
 def _bit(source: str) -> int:

@@ -16,8 +16,9 @@ per row instead (runtime/draft_tree.py: the drafter's top-k, the previous round'
 target's argmax on it; sampling rows: the sampled drafts instead of the top-k), 3. keeps its longest path
 the target agrees with (greedy) or SpecInfer's recursive rejection sampling walk (runtime/tree_accept.py), the
 backend moves that path's K/V to its absolute positions (commit_path), and 4./5. see the round path (the
-accepted path continued by the best child) as a chain round's verify; the verify policy is not
-consulted (the whole block is drafted every round).
+accepted path continued by the best child) as a chain round's verify. The verify policy decides, before
+1., whether the round drafts at all (no draft: a plain decoding round) and, after it, how many of the tree's
+best-first nodes (<= tree_budget) it verifies (policy.choose_tree; fixed: all).
 """
 
 from __future__ import annotations
@@ -224,9 +225,12 @@ class Scheduler:
         anchor_pos = torch.tensor([r.anchor_pos for r in reqs])
         # draft slots the verify policy can use this round (0: no draft call; `ar` never drafts)
         S = self.policy.plan(mode, N) if mode != "ar" else 0
-        tree = self.tree_budget > 0 and mode != "ar"
-        if tree:  # the tree budget, not the verify policy, sets what a round verifies
+        tree = self.tree_budget > 0 and S > 0
+        if tree:  # a tree draws on every slot of the block
             S = self.block_size - 1
+        elif self.tree_budget > 0 and mode != "ar":  # no draft: the rejected trajectory goes stale
+            for r in reqs:
+                self.trajectory.clear(r.slot)
 
         # 1. draft (the drafter always fills the whole block; the policy picks K drafts per row to verify)
         hidden = q = draft_logits = verified = None
@@ -249,7 +253,7 @@ class Scheduler:
 
         if tree:  # 2.-4. on a draft tree
             accepted, bonus, drafts, taps, verified = self._tree_round(reqs, slots, anchor, anchor_pos, hidden,
-                                                                       draft_logits, drafts, q)
+                                                                       draft_logits, drafts, q, t_draft)
         else:
             # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
             t0 = time.perf_counter()
@@ -281,7 +285,7 @@ class Scheduler:
             self._commit(r, d[:a] + [b], events)
 
     # -- pieces of a round -----------------------------------------------------------------------------
-    def _tree_round(self, reqs, slots, anchor, anchor_pos, hidden, draft_logits, top1, q):
+    def _tree_round(self, reqs, slots, anchor, anchor_pos, hidden, draft_logits, top1, q, t_draft):
         """Verify and accept a draft tree per row (greedy, or the sampling walk of runtime/tree_accept.py). -> (accepted [N], bonus [N], path tokens after the
         anchor [N, D] (the first `accepted` are committed), round path taps [N, D+1] (the drafter's next
         context), tree nodes verified per row [N])."""
@@ -292,7 +296,9 @@ class Scheduler:
         tree = build_trees(draft_logits.float().softmax(-1), anchor, self.tree_budget, self.tree_sources,
                            self.trajectory.read(slots), self.tree_rates,
                            sampled=torch.where(sampling.unsqueeze(1), top1, -1) if bool(sampling.any()) else None)
+        tree = tree.truncate(self.policy.choose_tree(reqs[0].mode, tree))
         M = tree.nodes
+        t_build = time.perf_counter() - t0
         logits, taps = self.backend.target(slots, tree.tokens, anchor_pos.unsqueeze(1) + tree.depth,
                                            torch.arange(M).expand(N, M), tree_mask=tree.ancestor_mask())
         logits = self._min_length(logits, reqs, tree.depth)
@@ -306,7 +312,9 @@ class Scheduler:
         path_len = tree.depth[rows, end]
         L = path.shape[1]
         self.backend.commit_path(slots, anchor_pos.unsqueeze(1) + path, anchor_pos.unsqueeze(1) + torch.arange(L))
-        self.timing.verify += time.perf_counter() - t0
+        t_verify = time.perf_counter() - t0
+        self.timing.verify += t_verify
+        self.policy.observe_tree(reqs[0].mode, N, M, t_verify - t_build, t_draft + t_build, tree, path, accepted)
         for s, (tries, hits, only_tries, only_hits) in source_counts(tree, path, accepted).items():
             self.tree_rates.observe(s, only_tries, only_hits)  # what a source adds beyond the others
             for j, c in enumerate((tries, hits, only_hits)):

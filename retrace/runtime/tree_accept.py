@@ -27,6 +27,7 @@ import torch
 
 from retrace.runtime.draft_tree import SOURCE_BITS, DraftTree
 from retrace.runtime.sampling import argmax
+from retrace.runtime.tree_budget import node_outcomes
 
 
 def greedy_tree_accept(tree: DraftTree, logits: torch.Tensor):
@@ -84,13 +85,7 @@ def source_counts(tree: DraftTree, path: torch.Tensor,
                   accepted: torch.Tensor) -> dict[str, tuple[int, int, int, int]]:
     """Per source: (tries, hits, tries only, hits only) = its nodes whose parent is on the accepted path,
     those accepted, and the same two counts for the nodes no other source proposed."""
-    N, M = tree.tokens.shape
-    on_path = torch.zeros(N, M, dtype=torch.bool)
-    keep = torch.arange(path.shape[1]).unsqueeze(0) <= accepted.unsqueeze(1)
-    on_path.scatter_(1, torch.where(keep, path, 0), keep)
-    on_path[:, 0] = True
-    child = tree.valid() & (torch.arange(M) > 0) & on_path.gather(1, tree.parent)
-    hit = child & on_path
+    child, hit = node_outcomes(tree, path, accepted)
     return {s: (int((child & (tree.source & b > 0)).sum()), int((hit & (tree.source & b > 0)).sum()),
                 int((child & (tree.source == b)).sum()), int((hit & (tree.source == b)).sum()))
             for s, b in SOURCE_BITS.items()}

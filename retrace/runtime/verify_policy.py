@@ -21,6 +21,11 @@ row); then one round drafts again (a probe: it verifies at least one draft per r
 learning) and its g restarts the average. Each failed probe doubles
 the backoff (up to `max_backoff` rounds), a paying round resets it, so a drafter that never pays costs one
 draft call every `max_backoff` rounds and one that starts paying is back on within that many rounds.
+
+Tree rounds (tree_budget N > 0): `choose_tree` picks how many of the tree's best-first nodes (<= N) the
+round verifies, `observe_tree` learns from it (runtime/tree_budget.py): fixed = all N, adaptive = the budget
+of the best expected rate, through the same cost model and auto-off, with its own calibration of the
+nodes' best-first factors.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import torch
 from retrace.errors import RetraceError
 from retrace.runtime.calibration import Calibration
 from retrace.runtime.cost_model import CostModel, probe
+from retrace.runtime.draft_tree import DraftTree
+from retrace.runtime.tree_budget import best_budget, node_outcomes
 
 POLICIES = ("adaptive", "fixed")
 
@@ -55,6 +62,15 @@ class VerifyPolicy(Protocol):
         """After the verify: the round's timings and outcome (verified None: no draft call this round)."""
         ...
 
+    def choose_tree(self, mode: str, tree: DraftTree) -> int:
+        """Tree rounds, after drafting: how many of the tree's best-first nodes to verify (root counted)."""
+        ...
+
+    def observe_tree(self, mode: str, rows: int, verify_tokens: int, verify_s: float, draft_s: float,
+                     tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a tree verify of `tree` (as verified): timings, each row's round path and accepted length."""
+        ...
+
 
 class FixedPolicy:
     name = "fixed"
@@ -69,6 +85,12 @@ class FixedPolicy:
         return torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.int64)
 
     def observe(self, mode, rows, verify_tokens, verify_s, draft_s, verified, accepted) -> None:
+        pass
+
+    def choose_tree(self, mode, tree) -> int:
+        return tree.nodes
+
+    def observe_tree(self, mode, rows, verify_tokens, verify_s, draft_s, tree, path, accepted) -> None:
         pass
 
 
@@ -111,6 +133,7 @@ class AdaptivePolicy:
         self.calib: dict[tuple[str, bool], Calibration] = {}
         self.state: dict[str, _ModeState] = {}
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (conf, greedy rows) of the round
+        self._last_tree: torch.Tensor | None = None  # the best-first factors of a tree round's nodes
 
     def _calibration(self, mode: str, greedy: bool) -> Calibration:
         return self.calib.setdefault((mode, greedy), Calibration())
@@ -171,6 +194,24 @@ class AdaptivePolicy:
             rows_g = greedy == g
             if bool(rows_g.any()):
                 self._calibration(mode, g).observe(conf[rows_g], verified[rows_g], accepted[rows_g])
+
+    def choose_tree(self, mode, tree):
+        factor = tree.factor()
+        b, rate, plain = best_budget(tree, self._calibration(f"{mode}/tree", True).prob(factor), self.cost)
+        probe = self._state(mode).gain is None
+        self._update_gain(mode, rate / plain)
+        self._last_tree = factor
+        return max(b, min(2, tree.nodes)) if probe else b  # a probe judges at least one node
+
+    def observe_tree(self, mode, rows, verify_tokens, verify_s, draft_s, tree, path, accepted) -> None:
+        if self.learn_cost:
+            self.cost.observe_verify(rows, verify_tokens, verify_s)
+            self.cost.observe_draft(rows, draft_s)
+        factor, self._last_tree = self._last_tree, None
+        if factor is None:
+            return
+        judged, hit = node_outcomes(tree, path, accepted)
+        self._calibration(f"{mode}/tree", True).observe_pairs(factor[:, : tree.nodes][judged], hit[judged])
 
     def to_dict(self) -> dict:
         return {"cost": self.cost.to_dict(),
