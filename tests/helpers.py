@@ -9,6 +9,7 @@ are perturbed away from 1 so that a missing or misplaced norm shows up in parity
 
 from __future__ import annotations
 
+import http.client
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,3 +248,22 @@ class TinyPair:
     def hf_target(self):
         """transformers' Qwen3ForCausalLM on the same target dir (fp32, eager attention)."""
         return load_hf_target(self.target_dir)
+
+
+def http_json(port: int, method: str, path: str, body=None, timeout: float = 60.0, parse: bool = True):
+    """One HTTP request to 127.0.0.1:port with a JSON body -> (status, parsed JSON, or the raw text when it is
+    not JSON or parse is False)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body if isinstance(body, (str, bytes)) or body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        if not parse:
+            return resp.status, raw
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw
+    finally:
+        conn.close()

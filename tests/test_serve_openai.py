@@ -6,7 +6,6 @@ requests get OpenAI-style errors and the server keeps serving; SIGTERM drains an
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import signal
 import socket
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from export_fixtures import VOCAB, pair_and_bundle
+from helpers import http_json
 from runtime_fixtures import single_thread, words
 
 pytest.importorskip("fastapi")
@@ -75,18 +75,7 @@ def world(tmp_path_factory):
 
 
 def request(port: int, method: str, path: str, body=None) -> tuple[int, dict | str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        data = body if isinstance(body, (str, bytes)) or body is None else json.dumps(body)
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read().decode()
-        try:
-            return resp.status, json.loads(raw)
-        except ValueError:
-            return resp.status, raw
-    finally:
-        conn.close()
+    return http_json(port, method, path, body)
 
 
 def test_openai_client_completions_and_chat_exact(world):

@@ -10,7 +10,6 @@ Fixtures (import the ``fixture_*`` functions into a test module; pytest knows th
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import http_json
 
 from retrace.export.triton.env import TritonEnv, ensure_triton_env
 from retrace.export.triton.repository import write_repository
@@ -77,20 +77,7 @@ def fixture_standin_server(tmp_path_factory, triton_env, standin_bundle) -> Iter
 # ------------------------------------------------------------------------------------------- clients
 def http_post(srv: TritonServer, path: str, body: Any, timeout: float = 60.0, parse: bool = True) -> tuple[int, Any]:
     """POST JSON to the server; returns (status, parsed JSON, or the raw text if not JSON or not parse)."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv.http_port, timeout=timeout)
-    try:
-        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read().decode()
-        if not parse:
-            return resp.status, raw
-        try:
-            return resp.status, json.loads(raw)
-        except ValueError:
-            return resp.status, raw
-    finally:
-        conn.close()
+    return http_json(srv.http_port, "POST", path, body, timeout, parse)
 
 
 def generate(srv: TritonServer, body: Any, model: str = MODEL, timeout: float = 60.0) -> tuple[int, Any]:
