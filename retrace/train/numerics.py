@@ -85,7 +85,7 @@ def describe() -> dict:
     import torch
 
     return {"mode": mode(), "env": {k: os.environ.get(k) for k in PORTABLE_ENV}, "cpu": cpu_name(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
 
 
