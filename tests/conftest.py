@@ -13,10 +13,11 @@ from helpers import TinyPair, write_drafter, write_target
 from runtime_fixtures import single_thread
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_thread():
-    """One torch thread for the test (tiny matrices: faster, and immune to a busy machine's scheduling).
-    Modules use it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    """One torch thread for the module's tests and fixtures (tiny matrices: faster, and immune to a busy
+    machine's scheduling). Modules use it with `pytestmark = pytest.mark.usefixtures("one_thread")`;
+    module-scoped fixtures that build models request it too."""
     with single_thread():
         yield
 

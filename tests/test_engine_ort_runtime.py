@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, pair_and_bundle
-from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, single_thread, steep_cost_policy, words
+from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, steep_cost_policy, words
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
@@ -24,14 +24,11 @@ MAX_NEW = 64
 PROMPT_LENS = [6, 1, 13, 3, 21, 9]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def world(_one_thread):
+def world(one_thread):
     built = pair_and_bundle()
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in PROMPT_LENS]

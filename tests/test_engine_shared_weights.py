@@ -12,17 +12,12 @@ import onnx
 import pytest
 import torch
 from export_fixtures import BLOCK, copy_bundle, pair_and_bundle
-from runtime_fixtures import single_thread
 
 from retrace.engines.bundle import BundleError
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _manifest(bundle: Path) -> dict:

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from runtime_fixtures import single_thread, words, write_pair
+from runtime_fixtures import words, write_pair
 
 from retrace.cli import main
 from retrace.runtime import Runtime, SamplingParams
@@ -15,14 +15,11 @@ from retrace.runtime import Runtime, SamplingParams
 VOCAB = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory, _one_thread):
+def dirs(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("cli")
     target, drafter = write_pair(root, vocab=VOCAB, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=48,
                                  block_size=4, conditioner="random", seed=3)

@@ -20,7 +20,6 @@ from runtime_fixtures import (
     copy_with_eos,
     hf_greedy,
     load_hf_target,
-    single_thread,
     steep_cost_policy,
     words,
     write_pair,
@@ -49,14 +48,11 @@ class World:
         return {tuple(p): p + g for p, g in zip(self.prompts, self.greedy, strict=True)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, _one_thread) -> World:
+def world(tmp_path_factory, one_thread) -> World:
     root = tmp_path_factory.mktemp("greedy")
     target, drafter = write_pair(root, vocab=VOCAB, block_size=16, conditioner="random", seed=1)
     hf = load_hf_target(target)

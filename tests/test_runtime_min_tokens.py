@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from runtime_fixtures import OracleDrafter, copy_with_eos, load_hf_target, single_thread, write_pair
+from runtime_fixtures import OracleDrafter, copy_with_eos, load_hf_target, write_pair
 
 from retrace.cli import main
 from retrace.errors import RetraceError
@@ -20,10 +20,7 @@ VOCAB = 128
 MAX_NEW = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @torch.no_grad()
@@ -36,7 +33,7 @@ def hf_decode(hf, prompt: list[int], max_new: int, eos: int | None, min_new: int
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, _one_thread):
+def world(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("min-tokens")
     target, drafter = write_pair(root, vocab=VOCAB, block_size=8, conditioner="random", seed=4)
     hf = load_hf_target(target)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_fixtures import OracleDrafter, single_thread, write_pair
+from runtime_fixtures import OracleDrafter, write_pair
 
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.tokenizer import TextCodec
@@ -17,14 +17,11 @@ VOCAB = 96
 MAX_NEW = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, _one_thread):
+def world(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("stream")
     target, drafter = write_pair(root, vocab=VOCAB, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64,
                                  block_size=8, conditioner="random", seed=1)
