@@ -91,6 +91,12 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def _streaming(h: Handle, chunk, body: _Common, svc: Service) -> StreamingResponse:
+    """The SSE response of a `stream: true` request (usage at the end when stream_options asks for it)."""
+    include = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(_stream(h, chunk, include, svc), media_type="text/event-stream")
+
+
 async def _stream(h: Handle, chunk, include_usage: bool, svc: Service):
     """SSE events of one handle; chunk(text, finish_reason, first) -> the OpenAI chunk object."""
     try:
@@ -165,8 +171,7 @@ def create_app(svc: Service) -> FastAPI:
                     "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]}
 
         if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(h, chunk, include, svc), media_type="text/event-stream")
+            return _streaming(h, chunk, body, svc)
         res = await h
         out = chunk(res.text or "", res.finish_reason, True)
         return {**out, "usage": svc.usage(h)}
@@ -187,8 +192,7 @@ def create_app(svc: Service) -> FastAPI:
                     "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]}
 
         if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(h, chunk, include, svc), media_type="text/event-stream")
+            return _streaming(h, chunk, body, svc)
         res = await h
         return {"id": rid, "object": "chat.completion", "created": created, "model": svc.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text or ""},
