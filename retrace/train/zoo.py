@@ -83,10 +83,9 @@ def zoo_key(size: str, seed: int, preset: dict, numerics_mode: str | None = None
     from retrace.train import numerics, target_lm, zoo_target
 
     mode = numerics_mode or numerics.mode()
-    target_stage = zoo_target.stage_key(size, seed, target_lm.get_preset(size))
-    target_stage["train"]["numerics"] = mode
     return {"zoo_version": ZOO_VERSION, "size": size, "seed": int(seed), "preset": preset,
-            "target_stage": target_stage, "versions": _versions(), "numerics": mode}
+            "target_stage": zoo_target.stage_key(size, seed, target_lm.get_preset(size), mode),
+            "versions": _versions(), "numerics": mode}
 
 
 REQUIRED = ["target/config.json", "target/model.safetensors", "target/tokenizer.json", "drafter/config.json",

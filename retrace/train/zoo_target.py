@@ -67,8 +67,8 @@ def _versions() -> dict:
     }
 
 
-def train_key(size: str, seed: int, preset: target_lm.TargetPreset) -> dict:
-    """What decides the tokenizer and the weights."""
+def train_key(size: str, seed: int, preset: target_lm.TargetPreset, numerics_mode: str | None = None) -> dict:
+    """What decides the tokenizer and the weights (numerics_mode: default this process's, numerics.mode())."""
     return {
         "stage": "target",
         "target_version": TARGET_VERSION,
@@ -77,7 +77,7 @@ def train_key(size: str, seed: int, preset: target_lm.TargetPreset) -> dict:
         "preset": preset.to_dict(),
         "stdlib": str(corpus_mod.stdlib_dir()),
         "versions": _versions(),
-        "numerics": numerics.mode(),
+        "numerics": numerics_mode or numerics.mode(),
     }
 
 
@@ -86,9 +86,9 @@ def prompts_key(size: str, seed: int) -> dict:
     return {"prompts_version": prompts_mod.PROMPTS_VERSION, "seed": int(seed), "counts": PROMPT_COUNTS[size]}
 
 
-def stage_key(size: str, seed: int, preset: target_lm.TargetPreset) -> dict:
+def stage_key(size: str, seed: int, preset: target_lm.TargetPreset, numerics_mode: str | None = None) -> dict:
     """The whole stage's key (train key + prompts key): equal keys mean equal outputs."""
-    return {"train": train_key(size, seed, preset), "prompts": prompts_key(size, seed)}
+    return {"train": train_key(size, seed, preset, numerics_mode), "prompts": prompts_key(size, seed)}
 
 
 def _expected_files() -> dict[str, list[str]]:
