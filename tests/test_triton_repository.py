@@ -358,9 +358,7 @@ def test_ensure_triton_env_builds_once_under_a_lock(tmp_path):
 
     from retrace.export.triton.env import ensure_triton_env
 
-    t0 = time.monotonic()
     env = ensure_triton_env(tmp_path, requirements=("numpy<2",), log=lambda m: pytest.fail(f"rebuilt: {m}"))
-    assert time.monotonic() - t0 < 1.0
     assert env.tritonserver.is_file() and (env.backend_dir / "python" / "triton_python_backend_stub").is_file()
     assert (env.model_env / "bin" / "activate").is_file() and Path(env.python_libdir).is_dir()
     assert "numpy==1." in (env.model_env / "requirements.lock.txt").read_text()

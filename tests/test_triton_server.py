@@ -276,16 +276,15 @@ def test_client_disconnect_mid_stream_frees_slot_and_does_not_stall_others(stand
              for i in range(3)]
     for s in socks:
         s.close()  # hang up mid-stream
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        outs = list(pool.map(lambda i: generate(standin_server, {"text_input": f"q{i}", "max_tokens": 12}), range8()))
-    dt = time.monotonic() - t0
-    assert all(st == 200 and o["text_output"] == expected(f"q{i}", 12) for i, (st, o) in enumerate(outs))
-    assert dt < 5, dt
+    # the server notices each hang-up and drops the request (480 tokens would hold a slot for seconds) ...
     deadline = time.monotonic() + 10
     while standin_server.log_text().count("cancelled by the client") < log_before + 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert standin_server.log_text().count("cancelled by the client") >= log_before + 3, standin_server.log_tail()
+    # ... and goes on serving new clients exactly
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        outs = list(pool.map(lambda i: generate(standin_server, {"text_input": f"q{i}", "max_tokens": 12}), range8()))
+    assert all(st == 200 and o["text_output"] == expected(f"q{i}", 12) for i, (st, o) in enumerate(outs))
 
 
 def range8():
