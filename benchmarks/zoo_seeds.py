@@ -6,7 +6,8 @@
 Each seed is built by `retrace zoo tiny --out ROOT/seed-N` (portable numerics, cached: a finished seed is
 not rebuilt), one after the other; the table gives each seed's target perplexity, the drafter's runtime
 tau on its validation prompts, and tau of dflash and retrace on the held-out prompts at T=0 and T=1
-(per-prompt means) with the paired retrace - dflash difference, then mean, sample standard deviation and
+(per-prompt means; at T=0 also pooled, tokens / rounds, which is what sets the speed) with the paired
+retrace - dflash difference, then mean, sample standard deviation and
 range over the seeds.
 """
 
@@ -26,6 +27,9 @@ COLUMNS = [  # (key, header, getter on the manifest's metrics)
     ("T0_dflash", "T=0 dflash", lambda m: m["tau"]["T0"]["dflash"]),
     ("T0_retrace", "T=0 retrace", lambda m: m["tau"]["T0"]["retrace"]),
     ("T0_diff", "T=0 retrace - dflash", lambda m: m["tau"]["T0"]["paired"]["mean_diff"]),
+    # pooled (all tokens / all rounds): what sets the speed; the per-prompt mean weighs repetitive prompts up
+    ("T0_dflash_pooled", "T=0 dflash pooled", lambda m: m["tau"]["T0"].get("dflash_pooled")),
+    ("T0_retrace_pooled", "T=0 retrace pooled", lambda m: m["tau"]["T0"].get("retrace_pooled")),
     ("T1_dflash", "T=1 dflash", lambda m: m["tau"]["T1"]["dflash"]),
     ("T1_retrace", "T=1 retrace", lambda m: m["tau"]["T1"]["retrace"]),
     ("T1_diff", "T=1 retrace - dflash", lambda m: m["tau"]["T1"]["paired"]["mean_diff"]),
