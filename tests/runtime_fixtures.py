@@ -179,3 +179,12 @@ def steep_cost_policy(block_size: int, ragged: bool = False, slope: float = 0.15
     from retrace.runtime.verify_policy import AdaptivePolicy
 
     return AdaptivePolicy(block_size, LinearCost(slope, draft), ragged=ragged, learn_cost=False)
+
+
+def call_both(ref, new, slots, ids, pos, li, tree=None):
+    """One target call on two backends (same caches so far): the same logits (relative 1e-5), taps, argmax."""
+    a = ref.target(slots, ids, pos, li, tree)
+    b = new.target(slots, ids, pos, li, tree)
+    rel = ((a[0] - b[0]).abs().max() / a[0].abs().max()).item()
+    assert rel < 1e-5 and torch.allclose(a[1], b[1], atol=1e-4), (slots, rel)
+    assert torch.equal(a[0].argmax(-1), b[0].argmax(-1))

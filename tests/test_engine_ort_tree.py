@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, pair_and_bundle
-from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, single_thread, write_pair
+from runtime_fixtures import OracleDrafter, call_both, hf_greedy, load_hf_target, single_thread, write_pair
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
@@ -63,3 +63,23 @@ def test_bundle_without_tree_mask_refuses_trees_and_serves_chains():
     rt = Runtime(OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=2), verify_policy="fixed")
     (res,) = rt.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4), "dflash")
     assert len(res.token_ids) == 4
+
+
+def test_inplace_kv_tree_verify_matches_the_portable_graph(tree_bundle):
+    """Siblings that must not see each other: on the in-place K/V graph (the default) the tree's mask
+    reaches GroupQueryAttention as attention_bias; logits, taps and cache entries as the portable graph's."""
+    _, _, bundle = tree_bundle
+    ref, new = (OnnxRuntimeBackend.from_bundle(bundle, max_batch=2, threads=1, verify=False, kv_mode=m)
+                for m in ("gather", None))
+    assert new.inplace.tree
+    g = torch.Generator().manual_seed(3)
+    for s, n in ((0, 9), (1, 5)):
+        call_both(ref, new, torch.tensor([s]), torch.randint(0, VOCAB, (1, n), generator=g), torch.arange(n)[None],
+                   torch.tensor([[n - 1]]))
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1, 2, 2])
+    past = torch.tensor([9, 5])
+    call_both(ref, new, torch.tensor([0, 1]), torch.randint(0, VOCAB, (2, 5), generator=g), past[:, None] + depth,
+               torch.arange(5).expand(2, 5).contiguous(), mask.expand(2, 5, 5).contiguous())
+    assert torch.allclose(ref.tcache.kv[:, :2, :, :14], new.tcache.kv[:, :2, :, :14], atol=1e-5)

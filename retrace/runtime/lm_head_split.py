@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from retrace.engines.bundle import BundleError
+from retrace.runtime.graph_prune import prune
 
 # the folder ONNX Runtime resolves a graph's external data against when the graph is given as bytes
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
@@ -44,17 +45,23 @@ class HeadGraph:
     initializers: set[str]  # those the rewritten graph still reads
 
 
-def rewrite_head(path: Path, cut: bool) -> HeadGraph | None:
+def rewrite_head(path: Path, cut: bool, model=None) -> HeadGraph | None:
     """The graph with its exported LM head, Reshape(Transpose(MatMul(W, Transpose(rows)))) -> `logits` (the
     A-operand form of retrace.models.layers.lm_head), rewritten: cut off (`logits` replaced by `rows`, for
     an LmHead session) or, cut=False, as Gemm(rows, W, transB=1) inside the graph (prepacked by this
-    session). None for a graph without that head (bundles from before it: used as they are)."""
+    session). `model`: the graph already loaded (and rewritten otherwise, e.g. retrace.runtime.kv_inplace;
+    not changed here) instead of `path`'s. None for a graph without that head (bundles from before it: used
+    as they are) when `model` is None, else `model` as it is."""
     import onnx
     from onnx import helper
 
     from retrace.runtime.shared_weights import tensor_bytes
 
-    m = onnx.load(str(path), load_external_data=False)
+    if model is not None:
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+    else:
+        m = onnx.load(str(path), load_external_data=False)
     g = m.graph
     producer = {o: n for n in g.node for o in n.output}
     inits = {i.name: i for i in g.initializer}
@@ -63,13 +70,13 @@ def rewrite_head(path: Path, cut: bool) -> HeadGraph | None:
     for op in ops:
         n = producer.get(name)
         if n is None or n.op_type != op:
-            return None
+            return None if model is None else HeadGraph(m.SerializeToString(), None, "", 0, set(inits))
         chain.append(n)
         name = n.input[1] if op == "MatMul" else n.input[0]
     reshape, t_out, matmul, t_in = chain
     weight = matmul.input[0]
     if weight not in inits or len(inits[weight].dims) != 2:
-        return None
+        return None if model is None else HeadGraph(m.SerializeToString(), None, "", 0, set(inits))
     rows, w = t_in.input[0], inits[weight]
     if cut:
         for n in chain:
@@ -84,18 +91,9 @@ def rewrite_head(path: Path, cut: bool) -> HeadGraph | None:
             g.node.remove(n)
         g.node.insert(at, helper.make_node("Gemm", [rows, weight], [reshape.input[0]], name="lm_head_gemm",
                                            transB=1))
-    live = {o.name for o in g.output}  # drop what only the LM head used (its shape arithmetic too)
-    keep = []
-    for n in reversed(list(g.node)):
-        if any(o in live for o in n.output):
-            keep.append(n)
-            live.update(n.input)
-    del g.node[:]
-    g.node.extend(reversed(keep))
-    kept = [i for i in g.initializer if i.name in live]
-    del g.initializer[:]
-    g.initializer.extend(kept)
-    return HeadGraph(m.SerializeToString(), rows if cut else None, weight, tensor_bytes(w), {i.name for i in kept})
+    prune(g)  # drop what only the LM head used (its shape arithmetic too)
+    return HeadGraph(m.SerializeToString(), rows if cut else None, weight, tensor_bytes(w),
+                     {i.name for i in g.initializer})
 
 
 class LmHead:

@@ -6,12 +6,15 @@ p..p+T-1 writes the new K/V there and attends to entries < p.
 
 Every call goes through ONNX Runtime's IO binding over raw pointers, so nothing is converted or copied on
 the way in or out: outputs land in freshly allocated torch tensors that the loop receives as they are.
-The one copy left is the past a call actually needs: the graphs take past K/V as dense [N,Hkv,P,hd], and
-a cache slice [slots, :, :P] is strided whenever P < max_seq_len, so it is gathered into a reusable
-staging buffer (P = the longest past in the batch, not max_seq_len). `kv_mode="full"` binds the whole
-cache of a contiguous slot range instead (no copy, but every call attends over max_seq_len masked
-entries); benchmarks/ort_vs_torch.py measures both, and "gather" is the default because it wins at
-every length up to max_seq_len on the CPU (see the README).
+K/V of the target (`kv_mode`): "inplace" (the default where the graph allows it) rewrites the target
+graph's attention at load time into ONNX Runtime's GroupQueryAttention over a shared past/present buffer
+(retrace.runtime.kv_inplace): the cache of a contiguous slot range is bound whole, as a view, and the
+operator writes the new K/V into it and attends over each row's own length: no copy of the past at all.
+The portable graphs' own form takes past K/V as dense [N,Hkv,P,hd], and a cache slice [slots, :, :P] is
+strided whenever P < max_seq_len, so "gather" copies the past a call needs into a reusable staging buffer
+(P = the longest past in the batch), and the graph's Concat copies it again; "full" binds the whole cache
+of a contiguous slot range (no gather, but every call attends over max_seq_len masked entries). The
+drafter's cache (one or two layers) always uses gather (or full). benchmarks/ort_kv_modes.py measures them.
 
 Shared weights: the drafter graph's copy of the target's embedding / LM head is not loaded; both sessions
 use one read-only mapping of the target's (retrace.runtime.shared_weights; bundles whose manifest lists
@@ -37,6 +40,7 @@ from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
+from retrace.runtime.kv_inplace import BIAS, to_inplace_kv, tree_bias
 from retrace.runtime.lm_head_split import (
     EXTERNAL_FOLDER_KEY,
     LM_HEAD_SESSION_MIN_BYTES,
@@ -46,11 +50,12 @@ from retrace.runtime.lm_head_split import (
 )
 from retrace.runtime.shared_weights import SharedWeights
 
-_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
        "tensor(double)": np.float64, "tensor(bfloat16)": None, "tensor(bool)": np.bool_}
-_TORCH = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.float64: torch.float64,
+_TORCH = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.int32: torch.int32,
+          np.float64: torch.float64,
           np.bool_: torch.bool}
-KV_MODES = ("gather", "full")
+KV_MODES = ("inplace", "gather", "full")
 
 
 def _ort():
@@ -165,15 +170,14 @@ class OnnxRuntimeBackend:
     name = "onnxruntime"
 
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
-                 threads: int | None = None, providers: list | None = None, kv_mode: str = "gather",
+                 threads: int | None = None, providers: list | None = None, kv_mode: str | None = None,
                  session_options: dict | None = None, share_weights: bool = True,
                  lm_head_session: bool | None = None):
         _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
-        if kv_mode not in KV_MODES:
+        if kv_mode is not None and kv_mode not in KV_MODES:
             raise RetraceError(f"unknown kv_mode {kv_mode!r} (choose from {', '.join(KV_MODES)})")
         self.bundle = bundle
-        self.kv_mode = kv_mode
         self.max_batch = _limit("max_batch", max_batch, limits.get("max_batch"), bundle.root)
         self.max_seq_len = _limit("max_seq_len", max_seq_len, limits.get("max_seq_len"), bundle.root)
         tm = bundle.model("target")
@@ -200,7 +204,9 @@ class OnnxRuntimeBackend:
         # its own (the only packed copy; loaded first, while nothing else is resident: a lower peak), a small
         # one is prepacked inside each graph (one call fewer per step)
         t_path, d_path = bundle.graph_path("target"), bundle.graph_path("drafter") if self.drafter_config else None
-        t_head = rewrite_head(t_path, cut=True) if self.shared is not None else None
+        t_model, self.inplace = self._inplace_target(t_path, kv_mode)
+        self.kv_mode = "inplace" if self.inplace else (kv_mode or "gather")  # the drafter's: gather or full
+        t_head = rewrite_head(t_path, cut=True, model=t_model) if self.shared is not None else None
         d_head = rewrite_head(d_path, cut=True) if t_head is not None else None
         shared_head = (d_head is not None and self.shared.pairs.get(d_head.weight) == t_head.weight
                        and (t_head.weight_bytes >= LM_HEAD_SESSION_MIN_BYTES if lm_head_session is None
@@ -209,7 +215,7 @@ class OnnxRuntimeBackend:
         if shared_head:
             self.head = LmHead(t_path, t_head.weight, _session_options(threads, session_options), self.providers)
         else:
-            t_head = rewrite_head(t_path, cut=False)
+            t_head = rewrite_head(t_path, cut=False, model=t_model)
             d_head = rewrite_head(d_path, cut=False) if d_path else None
         self.tgraph = _Graph(bundle.graph_path("target"), _session_options(threads, session_options), self.providers,
                              "target", self.shared.target if self.shared else None, t_head)
@@ -234,6 +240,26 @@ class OnnxRuntimeBackend:
                                  dc.head_dim, self.dgraph.dtype("past_key_0"))
         self._taps_width = len(tm.get("tap_layers") or ()) * tc.hidden_size
 
+    def _inplace_target(self, path: Path, kv_mode: str | None):
+        """(the target graph rewritten for in-place K/V, its InplaceKV) or (None, None) where the mode is
+        not inplace or (auto mode) the graph does not have the exported attention form."""
+        if kv_mode not in (None, "inplace"):
+            return None, None
+        if "CPUExecutionProvider" not in self.providers[:1]:  # the caches live in host memory
+            if kv_mode == "inplace":
+                raise RetraceError(f"kv_mode='inplace' runs on the CPU execution provider only (the K/V caches live "
+                                   f"in host memory), not first in {self.providers}: use kv_mode='gather'")
+            return None, None
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=False)
+        c = self.target_config.layers
+        inplace = to_inplace_kv(model, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        if inplace is None and kv_mode == "inplace":
+            raise RetraceError(f"{path}: kv_mode='inplace' needs the exported attention form (Concat(past, new) "
+                               "-> Attention per layer); this graph has another one: use kv_mode='gather'")
+        return (model, inplace) if inplace is not None else (None, None)
+
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, max_batch: int | None = None, threads: int | None = None,
                     providers: list | None = None, max_seq_len: int | None = None, verify: bool | None = None,
@@ -255,30 +281,52 @@ class OnnxRuntimeBackend:
         g = self.tgraph
         N, T = input_ids.shape
         past_len = positions[:, 0].contiguous()
-        has_tree = "tree_mask" in g.inputs
-        if tree_mask is not None and not has_tree:
+        if tree_mask is not None and not (BIAS in g.inputs or "tree_mask" in g.inputs):
             raise RetraceError("this bundle's target graph has no tree_mask input: rebuild it with "
                                "`retrace-export build --tree-mask` for tree verification, or use --tree-budget 0")
-        past = self.tcache.past(slots, int(past_len.max()), self.kv_mode)
         feeds = {"input_ids": input_ids.to(torch.int64), "position_ids": positions.to(torch.int64),
                  "past_len": past_len.to(torch.int64), "logits_index": logits_index.to(torch.int64)}
-        feeds.update(zip(g.past_names, past, strict=True))
-        if has_tree:  # a chain's mask is the causal triangle
+        if "tree_mask" in g.inputs or BIAS in g.inputs:  # a chain's mask is the causal triangle
             feeds["tree_mask"] = (tree_mask if tree_mask is not None
                                   else torch.ones(T, T, dtype=torch.bool).tril().expand(N, T, T)).to(torch.bool)
-        if tree_mask is not None:  # node m's K/V at scratch index positions[:, 0] + m (see commit_path)
-            positions = past_len.unsqueeze(1) + torch.arange(T)
         K = logits_index.shape[1]
         out = {"taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
         if g.rows:
             out[g.rows] = torch.empty(N * K, self.target_config.hidden_size, dtype=g.dtype(g.rows))
         else:
             out["logits"] = torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits"))
-        new = self.tcache.new_buffer(N, T)
-        out.update(zip(g.new_names, new, strict=True))
-        g.run(feeds, out)
-        self.tcache.write(slots, positions, new)
+        if self.inplace:
+            self._run_inplace(slots, past_len, T, feeds, out)
+        else:
+            past = self.tcache.past(slots, int(past_len.max()), self.kv_mode)
+            feeds.update(zip(g.past_names, past, strict=True))
+            if tree_mask is not None:  # node m's K/V at scratch index positions[:, 0] + m (see commit_path)
+                positions = past_len.unsqueeze(1) + torch.arange(T)
+            new = self.tcache.new_buffer(N, T)
+            out.update(zip(g.new_names, new, strict=True))
+            g.run(feeds, out)
+            self.tcache.write(slots, positions, new)
         return (self.head(out[g.rows], (N, K)) if g.rows else out["logits"]), out["taps"]
+
+    def _run_inplace(self, slots, past_len, T: int, feeds: dict, out: dict) -> None:
+        """One target call on the in-place graph: the slots' caches bound whole as past and present; the
+        new K/V land at [past, past + T) of each row (a tree's nodes at their scratch indices, as above)."""
+        g = self.tgraph
+        N = slots.numel()
+        total = int(past_len.max()) + T
+        rows = contiguous_range(slots)
+        kv = self.tcache.kv[:, rows] if rows is not None else self.tcache.kv[:, slots]  # scattered: a copy
+        feeds.update(seqlens_k=(past_len + (T - 1)).to(torch.int32), query_seqlens=torch.full((N,), T, dtype=torch.int32),
+                     total_sequence_length=torch.tensor(total, dtype=torch.int32))
+        if BIAS in g.inputs:
+            feeds[BIAS] = tree_bias(feeds["tree_mask"], past_len, total, g.dtype(BIAS))
+        caches = dict(zip(g.past_names, kv, strict=True))
+        feeds.update(caches)
+        out.update({"present_" + name[len("past_"):]: t for name, t in caches.items()})
+        g.run({k: v for k, v in feeds.items() if k in g.inputs}, out)
+        if rows is None:  # write the new entries back into the scattered slots
+            for n, (s, p0) in enumerate(zip(slots.tolist(), past_len.tolist(), strict=True)):
+                self.tcache.kv[:, s, :, p0:p0 + T] = kv[:, n, :, p0:p0 + T]
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
         g = self.dgraph

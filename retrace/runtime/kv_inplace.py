@@ -1,0 +1,127 @@
+"""The target graph's attention, rewritten at load time for ONNX Runtime: K/V written in place, no past copies.
+
+The exported target graph (retrace.export.onnx_export) is portable: each layer concatenates its dense past
+K/V [N,Hkv,P,hd] with the new K/V and runs the opset-23 `Attention` on the result, under a boolean mask
+built from `past_len` (and `tree_mask`). On ONNX Runtime that costs two copies of the whole past per call
+and layer: the backend gathers the cache slice into a dense staging buffer (a strided slice is not a
+tensor ONNX Runtime can read), and `Concat` copies it again. Both grow with the context, so decode slows
+down with every token far more than attention itself does.
+
+`to_inplace_kv` swaps each layer's Concat + Attention for ONNX Runtime's `com.microsoft.GroupQueryAttention`
+over a shared past/present buffer: the backend binds the cache of a contiguous slot range, whole
+([N,Hkv,max_seq_len,hd], a view, no copy), as both `past_key_i` and `present_key_i`; the operator writes
+the T new K/V at positions [past, past + T) of each row and attends causally over exactly the row's
+`seqlens_k + 1` entries. New graph inputs: `seqlens_k` [N] int32 (past + T - 1), `query_seqlens` [N] int32
+(T), `total_sequence_length` [] int32 (max over rows of past + T) and, for a graph with `tree_mask`,
+`attention_bias` [N,1,T,total] float (0 where a node may attend, -inf where the tree forbids it; the
+causal order of the nodes is a superset of their ancestry). Rotary embedding stays the graph's own
+(`position_ids` give a tree node its depth while its K/V sit at the scratch index past + m), so the
+operator runs with do_rotary=0 and the default scale 1/sqrt(head_dim), as the exported `Attention` does.
+
+The bundle is unchanged (TensorRT reads the same graph whole); a graph whose attention does not have the
+exported form is left as it is (the backend then uses its gather path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from retrace.runtime.graph_prune import prune
+
+INPUTS = ("seqlens_k", "query_seqlens", "total_sequence_length")
+BIAS = "attention_bias"
+
+
+@dataclass(frozen=True)
+class InplaceKV:
+    layers: int
+    tree: bool  # the graph takes attention_bias (it had a tree_mask)
+
+
+def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int) -> InplaceKV | None:
+    """Rewrite `model` (an onnx.ModelProto, changed in place) as described above; None (and `model`
+    untouched) when its attention is not the exported Concat(past, new) -> Attention form."""
+    from onnx import TensorProto, helper
+
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    inputs = {i.name: i for i in g.input}
+    layers = []
+    for att in (n for n in g.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx")):
+        if len(att.input) != 4 or len(att.output) != 1 or list(att.attribute):
+            return None
+        cats = [producer.get(att.input[1]), producer.get(att.input[2])]
+        if any(c is None or c.op_type != "Concat" or len(c.input) != 2 or c.input[0] not in inputs
+               or [a.i for a in c.attribute if a.name == "axis"] != [2] for c in cats):
+            return None
+        layers.append((att, cats))
+    if not layers:
+        return None
+    dtype = inputs[layers[0][1][0].input[0]].type.tensor_type.elem_type
+    tree = "tree_mask" in inputs
+
+    def const(name: str, values: list[int]) -> str:
+        g.initializer.append(helper.make_tensor(name, TensorProto.INT64, [len(values)], values))
+        return name
+
+    bsh, bnsh = const("inplace_kv_bsh", [0, 0, -1]), const("inplace_kv_bnsh", [0, 0, num_heads, head_dim])
+    out_names = {o.name for o in g.output}
+    new_outputs = []
+    for j, (att, (ck, cv)) in enumerate(layers):
+        at = list(g.node).index(att)
+        nodes = []
+
+        def to_bsh(x: str, what: str, j=j, nodes=nodes) -> str:
+            nodes.append(helper.make_node("Transpose", [x], [f"inplace_kv_{j}_{what}_t"], perm=[0, 2, 1, 3]))
+            nodes.append(helper.make_node("Reshape", [f"inplace_kv_{j}_{what}_t", bsh], [f"inplace_kv_{j}_{what}"]))
+            return f"inplace_kv_{j}_{what}"
+
+        past_k, past_v = ck.input[0], cv.input[0]
+        present_k, present_v = f"present_{past_k[len('past_'):]}", f"present_{past_v[len('past_'):]}"
+        gqa_in = [to_bsh(att.input[0], "q"), to_bsh(ck.input[1], "k"), to_bsh(cv.input[1], "v"), past_k, past_v,
+                  "seqlens_k", "total_sequence_length", "", "", "", BIAS if tree else ""]
+        gqa_in += ["", "", "", "", "", "query_seqlens"]  # head_sink, k/v scales, q/k norms, query_seqlens
+        nodes.append(helper.make_node("GroupQueryAttention", gqa_in, [f"inplace_kv_{j}_y", present_k, present_v],
+                                      domain="com.microsoft", name=f"inplace_kv_gqa_{j}", num_heads=num_heads,
+                                      kv_num_heads=kv_heads, do_rotary=0))
+        nodes.append(helper.make_node("Reshape", [f"inplace_kv_{j}_y", bnsh], [f"inplace_kv_{j}_y4"]))
+        nodes.append(helper.make_node("Transpose", [f"inplace_kv_{j}_y4"], [att.output[0]], perm=[0, 2, 1, 3]))
+        g.node.remove(att)
+        for k, n in enumerate(nodes):
+            g.node.insert(at + k, n)
+        for c in (ck, cv):
+            if not any(c.output[0] in n.input for n in g.node):
+                g.node.remove(c)
+        shape = ["N", kv_heads, "max_seq_len", head_dim]
+        new_outputs += [helper.make_tensor_value_info(p, dtype, shape) for p in (present_k, present_v)]
+
+    # the per-call new K/V are in the cache already: no longer outputs
+    keep = [o for o in g.output if not o.name.startswith(("new_key_", "new_value_"))]
+    del g.output[:]
+    g.output.extend(keep + new_outputs)
+    prune(g)
+    used = {i for n in g.node for i in n.input} | out_names
+    kept_inputs = [i for i in g.input if i.name in used]
+    del g.input[:]
+    g.input.extend(kept_inputs)
+    g.input.extend([helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["N"]),
+                    helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, ["N"]),
+                    helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])])
+    if tree:
+        g.input.append(helper.make_tensor_value_info(BIAS, dtype, ["N", 1, "T", "total"]))
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return InplaceKV(len(layers), tree)
+
+
+def tree_bias(tree_mask, past_len, total: int, dtype):
+    """attention_bias [N,1,T,total] for a tree verify: 0 on the past and on each node's ancestors (and
+    itself), -inf on the other new tokens (columns past..past+T-1 of each row; the rest is never read)."""
+    import torch
+
+    N, T, _ = tree_mask.shape
+    bias = torch.zeros(N, 1, T, total, dtype=dtype)
+    cols = past_len.to(torch.int64).view(N, 1, 1) + torch.arange(T).view(1, 1, T)  # [N,1,T]
+    blocked = torch.zeros(N, T, T, dtype=dtype).masked_fill_(~tree_mask.to(torch.bool), float("-inf"))
+    bias[:, 0].scatter_(2, cols.expand(N, T, T), blocked)
+    return bias

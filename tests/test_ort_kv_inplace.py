@@ -1,0 +1,81 @@
+"""In-place K/V on ONNX Runtime (retrace.runtime.kv_inplace): the target graph's Concat + Attention become
+GroupQueryAttention over the slots' caches bound whole as past and present. Call by call it gives the
+logits, taps and cache entries of the portable graph (gather mode): ragged prefill, batched verify,
+scattered slots and a draft tree's verify; it is the default on the CPU and refuses what it cannot do."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+from export_fixtures import pair_and_bundle
+from runtime_fixtures import call_both
+
+from retrace.errors import RetraceError
+from retrace.runtime import kv_inplace
+from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def backends(one_thread):
+    built = pair_and_bundle()
+    pair = {m: OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=3, threads=1, verify=False, kv_mode=m)
+            for m in ("gather", None)}
+    return built, pair["gather"], pair[None]
+
+
+def test_default_is_inplace_and_the_graph_has_no_past_copies(backends):
+    _, ref, new = backends
+    assert new.kv_mode == "inplace" and ref.kv_mode == "gather" and ref.inplace is None
+    layers = new.target_config.layers.num_hidden_layers
+    assert new.inplace.layers == layers
+    sess = new.tgraph.sess
+    assert not [o.name for o in sess.get_outputs() if o.name.startswith("new_key_")]
+    assert len([o for o in sess.get_outputs() if o.name.startswith("present_")]) == 2 * layers
+    assert {"seqlens_k", "query_seqlens", "total_sequence_length"} <= {i.name for i in sess.get_inputs()}
+
+
+def test_calls_match_the_portable_graph(backends):
+    built, ref, new = backends
+    V = ref.target_config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    lens = {0: 11, 1: 4, 2: 7}
+    for s, n in lens.items():  # ragged prefill, one slot at a time
+        call_both(ref, new, torch.tensor([s]), torch.randint(0, V, (1, n), generator=g), torch.arange(n)[None],
+                   torch.tensor([[n - 1]]))
+    for slots, T in (([0, 1], 3), ([0, 2], 2), ([0, 1, 2], 1)):  # contiguous and scattered slots, T > 1
+        slots_t = torch.tensor(slots)
+        past = torch.tensor([lens[s] for s in slots])
+        call_both(ref, new, slots_t, torch.randint(0, V, (len(slots), T), generator=g),
+                   past[:, None] + torch.arange(T), torch.arange(T).expand(len(slots), T).contiguous())
+        for s in slots:
+            lens[s] += T
+    top = max(lens.values())
+    assert torch.allclose(ref.tcache.kv[:, :3, :, :top], new.tcache.kv[:, :3, :, :top], atol=1e-5)
+
+
+def test_another_attention_form_is_left_alone_and_explicit_inplace_refuses(backends, monkeypatch):
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]))
+    before = model.SerializeToString()
+    assert kv_inplace.to_inplace_kv(model, 4, 2, 16) is None and model.SerializeToString() == before
+    onnx.checker.check_model(model)
+
+    built, _, _ = backends
+    monkeypatch.setattr("retrace.runtime.onnxruntime_backend.to_inplace_kv", lambda *a, **k: None)
+    assert OnnxRuntimeBackend.from_bundle(built.bundle, verify=False).kv_mode == "gather"  # auto: falls back
+    with pytest.raises(RetraceError, match="needs the exported attention form"):
+        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace")
+
+
+def test_inplace_is_cpu_only(backends):
+    built, _, _ = backends
+    with pytest.raises(RetraceError, match="CPU execution provider only"):
+        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace",
+                                       providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
