@@ -79,3 +79,29 @@ def test_inplace_is_cpu_only(backends):
     with pytest.raises(RetraceError, match="CPU execution provider only"):
         OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace",
                                        providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+def test_an_onnxruntime_without_the_operator_falls_back_to_the_portable_graph(backends, monkeypatch):
+    """A rewritten graph this ONNX Runtime cannot load (older versions lack GroupQueryAttention's newer
+    inputs; here an unknown op stands in): auto mode serves the exported graph (gather), exactly."""
+    import retrace.runtime.onnxruntime_backend as orb
+
+    real = orb.to_inplace_kv
+
+    def broken(model, *a, **k):
+        info = real(model, *a, **k)
+        for n in model.graph.node:
+            if n.op_type == "GroupQueryAttention":
+                n.op_type = "GroupQueryAttentionFromTheFuture"
+        return info
+
+    monkeypatch.setattr(orb, "to_inplace_kv", broken)
+    built, ref, _ = backends
+    be = OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=3, threads=1, verify=False)
+    assert be.kv_mode == "gather" and be.inplace is None
+    ids = torch.arange(1, 8)[None]
+    a = be.target(torch.tensor([2]), ids, torch.arange(7)[None], torch.tensor([[6]]))
+    b = ref.target(torch.tensor([2]), ids, torch.arange(7)[None], torch.tensor([[6]]))
+    assert torch.equal(a[0], b[0])
+    with pytest.raises(RetraceError, match="cannot load the target graph"):
+        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace")

@@ -218,8 +218,18 @@ class OnnxRuntimeBackend:
         else:
             t_head = rewrite_head(t_path, cut=False, model=t_model)
             d_head = rewrite_head(d_path, cut=False) if d_path else None
-        self.tgraph = _Graph(bundle.graph_path("target"), _session_options(threads, session_options), self.providers,
-                             "target", self.shared.target if self.shared else None, t_head)
+        try:
+            self.tgraph = _Graph(t_path, _session_options(threads, session_options), self.providers, "target",
+                                 self.shared.target if self.shared else None, t_head)
+        except RetraceError:
+            if self.inplace is None or kv_mode == "inplace":
+                raise
+            # an ONNX Runtime without this form of GroupQueryAttention (older than the one tested): the graph
+            # as exported, with the gather path
+            self.inplace, self.kv_mode = None, "gather"
+            t_head = rewrite_head(t_path, cut=self.head is not None)
+            self.tgraph = _Graph(t_path, _session_options(threads, session_options), self.providers, "target",
+                                 self.shared.target if self.shared else None, t_head)
         self.dgraph = None
         if self.drafter_config is not None:
             self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
