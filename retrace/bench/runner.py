@@ -57,6 +57,7 @@ class BenchConfig:
     tree_budget: int = 0
     tree_fixed: tuple[int, ...] = ()
     tree_sources: str = "topk,suffix,target"
+    prompt_lookup: bool = False  # also retrace-<backend>-<mode>-lookup: verify_policy + prompt lookup
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -147,6 +148,8 @@ def _retrace_names(backend: str, cfg: BenchConfig) -> list[tuple[str, str, str]]
                 for m in MODES if m != "ar"]
     out += [(f"retrace-{backend}-{m}-tree{b}-fixed", m, f"tree:fixed:{b}") for b in cfg.tree_fixed
             for m in MODES if m != "ar"]
+    if cfg.prompt_lookup:
+        out += [(f"retrace-{backend}-{m}-lookup", m, f"lookup:{cfg.verify_policy}") for m in MODES if m != "ar"]
     return [x for x in out if _wanted(x[0], cfg.systems)]
 
 
@@ -165,12 +168,15 @@ def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig) -> None:
             continue
         if policy.startswith("tree:") and policy not in runtimes:
             graph = getattr(rt.backend, "tgraph", None)  # an ONNX Runtime bundle: its target graph
-            if graph is not None and "tree_mask" not in graph.inputs:
+            if graph is not None and not ({"tree_mask", "attention_bias"} & set(graph.inputs)):
                 built.skip([name], "the bundle's target graph has no tree_mask input (retrace-export build --tree-mask)")
                 continue
             _, tree_policy, budget = policy.split(":")
             runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy=tree_policy,
                                        tree_budget=int(budget), tree_sources=cfg.tree_sources)
+        if policy.startswith("lookup:") and policy not in runtimes:
+            runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy=policy.split(":")[1],
+                                       prompt_lookup=True)
         if policy not in runtimes:
             runtimes[policy] = Runtime(rt.backend, rt.codec, rt.block_size, verify_policy=policy)
         built.systems.append(RetraceSystem(runtimes[policy], backend, mode, timers, name))

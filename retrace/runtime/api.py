@@ -11,6 +11,7 @@ from retrace.errors import MissingDependencyError, RetraceError
 from retrace.runtime.backend import Backend
 from retrace.runtime.draft_tree import SOURCES, check_budget, parse_sources
 from retrace.runtime.loop import MODES, Event, Request, Scheduler
+from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.sampling import SamplingParams
 from retrace.runtime.stats import AcceptStats
 from retrace.runtime.tokenizer import TextCodec
@@ -44,12 +45,14 @@ class Result:
 class Runtime:
     def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
                  verify_policy: str | VerifyPolicy = "adaptive", tree_budget: int = 0,
-                 tree_sources: str | tuple[str, ...] = SOURCES):
+                 tree_sources: str | tuple[str, ...] = SOURCES, prompt_lookup: bool | PromptLookup = False):
         """verify_policy: how many drafts each round verifies, for every request of this runtime:
         "adaptive" (what pays on this machine, runtime/verify_policy.py), "fixed" (the whole block), or a
         policy object. tree_budget > 0: verify a draft tree of at most that many nodes per row instead
         (runtime/draft_tree.py) from tree_sources ("topk,suffix,target"); the policy picks how many of its
-        best-first nodes each round verifies ("fixed": all; "adaptive": runtime/tree_budget.py)."""
+        best-first nodes each round verifies ("fixed": all; "adaptive": runtime/tree_budget.py).
+        prompt_lookup: True (or a PromptLookup) = in rounds without a drafter call, verify drafts copied
+        from the request's own tokens (runtime/prompt_lookup.py; dflash and retrace modes, greedy rows)."""
         if isinstance(verify_policy, str) and verify_policy not in POLICIES:
             raise RetraceError(f"unknown verify policy {verify_policy!r} (choose from {', '.join(POLICIES)})")
         self.backend = backend
@@ -58,6 +61,7 @@ class Runtime:
         self.verify_policy = verify_policy
         self.tree_budget = check_budget(tree_budget, block_size or 0)
         self.tree_sources = parse_sources(tree_sources)
+        self.prompt_lookup = prompt_lookup
         self._sched: Scheduler | None = None
         # events of requests being streamed, not yet yielded: a step run on behalf of one stream (or of
         # generate) commits tokens for every request, and the other streams must still see theirs
@@ -68,7 +72,8 @@ class Runtime:
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, backend: str = "torch",
                   max_batch: int = 8, max_seq_len: int = 2048, block_size: int | None = None,
                   threads: int | None = None, verify_policy: str | VerifyPolicy = "adaptive",
-                  tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES) -> Runtime:
+                  tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES,
+                  prompt_lookup: bool | PromptLookup = False) -> Runtime:
         if backend != "torch":
             raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
                                "with --target/--drafter use the torch backend")
@@ -76,15 +81,16 @@ class Runtime:
 
         be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=max_batch, max_seq_len=max_seq_len,
                                     threads=threads)
-        return cls(be, TextCodec.find(target_dir), block_size, verify_policy, tree_budget, tree_sources)
+        return cls(be, TextCodec.find(target_dir), block_size, verify_policy, tree_budget, tree_sources, prompt_lookup)
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, backend: str = "onnxruntime", block_size: int | None = None,
                     verify_policy: str | VerifyPolicy = "adaptive", tree_budget: int = 0,
-                    tree_sources: str | tuple[str, ...] = SOURCES, **backend_kwargs) -> Runtime:
+                    tree_sources: str | tuple[str, ...] = SOURCES, prompt_lookup: bool | PromptLookup = False,
+                    **backend_kwargs) -> Runtime:
         be = _load_backend_class(backend).from_bundle(bundle_dir, **backend_kwargs)
         return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), block_size, verify_policy,
-                   tree_budget, tree_sources)
+                   tree_budget, tree_sources, prompt_lookup)
 
     # -- text ------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -99,7 +105,9 @@ class Runtime:
         """The long-lived continuous-batching scheduler (requests join and leave between rounds)."""
         if self._sched is None:
             self._sched = Scheduler(self.backend, self.codec, self.block_size, verify_policy=self.verify_policy,
-                                    tree_budget=self.tree_budget, tree_sources=self.tree_sources)
+                                    tree_budget=self.tree_budget, tree_sources=self.tree_sources,
+                                    prompt_lookup=(PromptLookup() if self.prompt_lookup is True
+                                                   else self.prompt_lookup or None))
         return self._sched
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,
@@ -166,6 +174,7 @@ class Runtime:
                          "source_counts": {s: {"tries": t, "accepted": h, "accepted_only": o}
                                            for s, (t, h, o) in sched.tree_counts.items()}}}
                if sched.tree_budget else {}),
+            **({"prompt_lookup": sched.lookup.to_dict()} if sched.lookup is not None else {}),
         }
 
     def reset_stats(self) -> None:

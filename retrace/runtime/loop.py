@@ -32,6 +32,7 @@ import torch
 from retrace.errors import RetraceError
 from retrace.runtime.backend import Backend
 from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees, check_budget, parse_sources
+from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.rejected_trajectory import RejectedTrajectory
 from retrace.runtime.sampling import (
     SamplingParams,
@@ -101,11 +102,14 @@ class Event:
 class Scheduler:
     def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
                  eos_ids: tuple[int, ...] | None = None, verify_policy: str | VerifyPolicy = "fixed",
-                 tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES):
+                 tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES,
+                 prompt_lookup: PromptLookup | None = None):
         """verify_policy: "fixed" (the whole block every round: what training rollouts and `retrace eval`
         measure), "adaptive" (runtime/verify_policy.py), or a policy object (tests inject one).
         tree_budget: 0 = chain verification; N >= 2 = a draft tree of <= N nodes (root included) per row
-        from tree_sources ("topk", "suffix", "target"; a comma list or a tuple)."""
+        from tree_sources ("topk", "suffix", "target"; a comma list or a tuple).
+        prompt_lookup: drafts from the request's own tokens in the rounds without a drafter call
+        (runtime/prompt_lookup.py; dflash and retrace modes, greedy rows)."""
         self.backend = backend
         self.codec = codec
         dc = backend.drafter_config
@@ -130,6 +134,7 @@ class Scheduler:
         self.trajectory = RejectedTrajectory(backend.max_batch, self.block_size) if dc is not None else None
         # per source: [tree nodes whose parent was accepted, of those accepted, accepted that only it proposed]
         self.tree_counts = {s: [0, 0, 0] for s in SOURCES}
+        self.lookup = prompt_lookup if dc is not None else None
 
     # -- requests --------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
@@ -196,6 +201,8 @@ class Scheduler:
             if self.memory is not None:
                 self.memory.clear(req.slot)
                 self.trajectory.clear(req.slot)
+            if self.lookup is not None:
+                self.lookup.clear(req.slot)
             admitted.append(req)
         return admitted
 
@@ -249,6 +256,11 @@ class Scheduler:
             verified = self.policy.choose(mode, draft_logits, drafts, q) if not tree else None
             t_draft = time.perf_counter() - t0
             self.timing.draft += t_draft
+        lookup = S == 0 and self.lookup is not None and mode != "ar"
+        if lookup:  # no drafter call: the request's own tokens may still offer a few drafts
+            drafts, lengths = self.lookup.propose(reqs, self.block_size - 1)
+            k = self.lookup.choose(lengths, getattr(self.policy, "cost", None))
+            drafts, verified = drafts[:, :k], lengths.clamp_max(k)
         K = int(verified.max()) if verified is not None else 0
 
         if tree:  # 2.-4. on a draft tree
@@ -268,6 +280,8 @@ class Scheduler:
             # 3. accept
             accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
             self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
+            if lookup:
+                self.lookup.observe(verified, accepted)
 
             # 4. remember the rejected suffix (every drafted slot the target scored; nothing without a draft)
             if mode == "retrace":

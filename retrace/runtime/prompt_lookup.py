@@ -1,0 +1,121 @@
+"""Prompt lookup: drafts copied from a request's own tokens, for the rounds the drafter sits out.
+
+When the verify policy decides a drafter call does not pay (`plan` -> 0 draft slots: plain decoding),
+the round can still verify a few tokens for almost nothing: the continuation of the last place in the
+request's prompt and output where its last n tokens already occurred (n from `max_ngram` down to
+`min_ngram`; the most recent occurrence wins). That costs no forward pass at all, only a verify a few
+tokens wider, which on a bandwidth-bound CPU target is close to the price of one decode step; code
+edits, quoting and retrieval-heavy prompts repeat long spans. Verification is the same greedy check as
+for the drafter's tokens, so the output stays the target's own.
+
+How many lookup tokens a round verifies is cost-aware (`choose`): with a per-token acceptance estimate
+`a` (decayed hit/miss counts of earlier lookup rounds) and the policy's verify cost curve t(T), the
+round verifies the K that maximises (N + sum over rows of a + ... + a^min(L_i, K)) / t(N, K + 1), L_i
+being row i's proposal length; K = 0 is a plain decoding step. Under `--verify-policy fixed` every
+proposal is verified whole. Greedy rows only: a sampling row takes no lookup tokens (verified 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from retrace.errors import RetraceError
+
+
+class _Index:
+    """n-gram -> the position after its most recent occurrence that something follows, for n in sizes."""
+
+    def __init__(self, sizes: range):
+        self.sizes = sizes
+        self.tokens: list[int] = []
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            i = len(self.tokens)  # the n-grams ending at i - 1 now have a follower: tokens[i]
+            for n in self.sizes:
+                if i >= n:
+                    self.maps[n][tuple(self.tokens[i - n:i])] = i
+            self.tokens.append(t)
+
+    def find(self, max_tokens: int) -> list[int]:
+        L = len(self.tokens)
+        for n in reversed(self.sizes):
+            if L > n:
+                j = self.maps[n].get(tuple(self.tokens[L - n:]))
+                if j is not None:
+                    return self.tokens[j:j + max_tokens]
+        return []
+
+
+class PromptLookup:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 8, decay: float = 0.98,
+                 prior: tuple[float, float] = (1.0, 1.0)):
+        if not 1 <= min_ngram <= max_ngram:
+            raise RetraceError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
+        if max_tokens < 1:
+            raise RetraceError(f"prompt lookup needs max_tokens >= 1, got {max_tokens}")
+        self.sizes = range(min_ngram, max_ngram + 1)
+        self.max_tokens = max_tokens
+        self.decay = decay
+        self.hits, self.misses = prior  # decayed counts of accepted / rejected lookup tokens
+        self.index: dict[int, _Index] = {}  # slot -> the request's tokens so far
+        self.rounds = self.proposed = self.verified = self.accepted = 0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def clear(self, slot: int) -> None:
+        self.index.pop(slot, None)
+
+    def _tokens(self, r) -> list[int]:
+        idx = self.index.get(r.slot)
+        if idx is None:
+            idx = self.index[r.slot] = _Index(self.sizes)
+        seen = len(idx.tokens) - len(r.prompt_ids)
+        idx.extend(r.prompt_ids if seen < 0 else [])
+        idx.extend(r.output_ids[max(seen, 0):])
+        return idx.find(self.max_tokens)
+
+    def propose(self, reqs, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (drafts [N, L] int64 padded with 0, lengths [N]) from each greedy request's own tokens."""
+        props = [self._tokens(r)[:max_tokens] if r.params.temperature <= 0 else [] for r in reqs]
+        L = max(len(p) for p in props)
+        drafts = torch.zeros(len(reqs), L, dtype=torch.int64)
+        for i, p in enumerate(props):
+            drafts[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        return drafts, torch.tensor([len(p) for p in props])
+
+    def choose(self, lengths: torch.Tensor, cost) -> int:
+        """K lookup tokens to verify this round (0: a plain step); cost: the policy's CostModel, None =
+        verify every proposal."""
+        L = int(lengths.max()) if lengths.numel() else 0
+        if L == 0 or cost is None:
+            return L
+        N = lengths.numel()
+        a = self.accept_rate
+        best, best_rate = 0, N / cost.verify(N, 1)
+        for k in range(1, L + 1):
+            gain = sum(sum(a ** j for j in range(1, min(int(n), k) + 1)) for n in lengths)
+            rate = (N + gain) / cost.verify(N, k + 1)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def observe(self, verified: torch.Tensor, accepted: torch.Tensor) -> None:
+        on = verified > 0
+        if not bool(on.any()):
+            return
+        hits = int(accepted[on].sum())
+        misses = int((accepted[on] < verified[on]).sum())
+        self.hits = self.decay * self.hits + hits
+        self.misses = self.decay * self.misses + misses
+        self.rounds += 1
+        self.verified += int(verified.sum())
+        self.accepted += hits
+
+    def to_dict(self) -> dict:
+        return {"ngram": [self.sizes.start, self.sizes.stop - 1], "max_tokens": self.max_tokens,
+                "rounds": self.rounds, "verified": self.verified, "accepted": self.accepted,
+                "accept_rate_estimate": round(self.accept_rate, 4)}

@@ -1,0 +1,98 @@
+"""Prompt lookup (retrace.runtime.prompt_lookup): drafts copied from a request's own tokens in the rounds the
+drafter sits out. The index finds the most recent earlier occurrence of the longest matching tail; the
+number verified follows the cost curve; decoding with it stays the target's own greedy decode, on torch
+and on ONNX Runtime, and it does find and keep accepted tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_fixtures import LinearCost, hf_greedy, load_hf_target, write_pair
+
+from retrace.errors import RetraceError
+from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.prompt_lookup import PromptLookup
+from retrace.runtime.verify_policy import AdaptivePolicy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _Req:
+    def __init__(self, prompt, out=(), slot=0, temperature=0.0):
+        self.prompt_ids, self.output_ids, self.slot = list(prompt), list(out), slot
+        self.params = SamplingParams(temperature=temperature)
+
+
+def test_index_finds_the_most_recent_longest_match():
+    lk = PromptLookup(max_ngram=3, min_ngram=1, max_tokens=4)
+    r = _Req([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2])
+    drafts, lengths = lk.propose([r], 8)
+    assert drafts.tolist() == [[3, 7, 8, 1]] and lengths.tolist() == [4]  # "1 2" last seen before "3 7 8"
+    r.output_ids = [3]  # the index follows the output incrementally: tail "1 2 3" -> "7 8 1 2"
+    assert lk.propose([r], 8)[0].tolist() == [[7, 8, 1, 2]]
+    assert lk.propose([r], 2)[0].tolist() == [[7, 8]]
+    none = _Req([1, 2, 3, 4], slot=1)
+    sampling = _Req([1, 2, 1], slot=2, temperature=1.0)
+    drafts, lengths = lk.propose([none, sampling], 8)
+    assert lengths.tolist() == [0, 0]  # no earlier occurrence; a sampling row takes none
+    lk.clear(0)
+    assert 0 not in lk.index
+    with pytest.raises(RetraceError, match="n-gram sizes"):
+        PromptLookup(max_ngram=1, min_ngram=2)
+
+
+def test_the_number_verified_follows_the_cost_curve():
+    lk = PromptLookup()
+    lengths = torch.tensor([4, 2])
+    assert lk.choose(lengths, LinearCost(0.0, 1.0)) == 4  # flat: all of it
+    assert lk.choose(lengths, LinearCost(5.0, 1.0)) == 0  # steep: a plain step
+    assert lk.choose(lengths, None) == 4  # no cost model: all
+    lk.observe(torch.tensor([4, 2]), torch.tensor([0, 0]))
+    for _ in range(20):
+        lk.observe(torch.tensor([4, 2]), torch.tensor([0, 0]))
+    assert lk.accept_rate < 0.1 and lk.choose(lengths, LinearCost(0.15, 1.0)) == 0  # it stops when it never hits
+
+
+def _never_drafts(block_size):
+    """Drafting never pays (a draft costs 50 verifies): after the first probe round the drafter sits out."""
+    return AdaptivePolicy(block_size, LinearCost(0.1, 50.0), learn_cost=False)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, drafter = write_pair(tmp_path_factory.mktemp("lookup"), vocab=64, block_size=8, seed=5)
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randint(0, 60, (n,), generator=g).tolist() for n in (4, 6, 3)]
+    prompts = [b * 3 for b in base]  # repetitive prompts; random tiny targets also loop in their output
+    hf = load_hf_target(target)
+    return target, drafter, prompts, [hf_greedy(hf, p, 48) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["dflash", "retrace"])
+def test_greedy_with_lookup_is_the_targets_own_decode_on_torch(pair, mode):
+    target, drafter, prompts, greedy = pair
+    rt = Runtime.from_dirs(target, drafter, max_batch=3, max_seq_len=128, verify_policy=_never_drafts(8),
+                           prompt_lookup=True)
+    res = rt.generate(prompts, SamplingParams(max_new_tokens=48), mode)
+    assert [r.token_ids for r in res] == greedy
+    st = rt.run_stats()["prompt_lookup"]
+    assert st["rounds"] > 0 and st["accepted"] > 0, st
+    tokens = sum(len(r.token_ids) for r in res)
+    assert rt.run_stats()["rounds"] < tokens  # lookup rounds kept more than one token
+
+
+def test_lookup_on_onnxruntime_and_sampling_rows(pair, tmp_path):
+    from click.testing import CliRunner
+
+    from retrace.export.cli import main
+
+    target, drafter, prompts, greedy = pair
+    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out",
+                                    str(tmp_path / "b"), "--max-batch", "4", "--max-seq-len", "128", "--quiet"])
+    assert res.exit_code == 0, res.output
+    rt = Runtime.from_bundle(tmp_path / "b", threads=1, verify_policy=_never_drafts(8), prompt_lookup=True)
+    out = rt.generate(prompts, SamplingParams(max_new_tokens=48), "retrace")
+    assert [r.token_ids for r in out] == greedy
+    assert rt.run_stats()["prompt_lookup"]["accepted"] > 0
+    sampled = rt.generate(prompts[:2], SamplingParams(max_new_tokens=16, temperature=1.0, seed=3), "dflash")
+    assert all(len(r.token_ids) == 16 for r in sampled)
