@@ -96,3 +96,32 @@ def _untimed(d):
     if isinstance(d, dict):
         return {k: _untimed(v) for k, v in d.items() if k not in ("wall_s", "seconds")}
     return [_untimed(v) for v in d] if isinstance(d, list) else d
+
+
+def test_a_failure_after_the_target_stage_keeps_it_for_the_next_run(tmp_path, monkeypatch):
+    """The conditioner stage fails: nothing is installed at --out, the finished target stage waits beside it,
+    and the next run trains only the later stages (the target trainer would fail if called) around that very
+    target stage, byte for byte; the stash is gone once the zoo is installed."""
+    from retrace.train import conditioner, zoo, zoo_target
+
+    out = tmp_path / "tiny"
+    real = conditioner.train_conditioner
+
+    def boom(*_a, **_k):
+        raise RuntimeError("the conditioner stage failed")
+
+    monkeypatch.setattr(conditioner, "train_conditioner", boom)
+    with pytest.raises(RuntimeError, match="conditioner stage failed"):
+        zoo.build_zoo(out, size="test", seed=0, progress=False, threads=1)
+    stash = zoo.target_stash(out)
+    assert not out.exists() and zoo_target.cached_metrics(stash, "test", 0) is not None
+    assert not [p for p in tmp_path.iterdir() if ".retrace-" in p.name]  # no temp sibling left
+
+    kept = _digests(stash)
+    monkeypatch.setattr(conditioner, "train_conditioner", real)
+    monkeypatch.setattr(zoo_target, "_build", lambda *a, **k: pytest.fail("the target stage was trained again"))
+    man = zoo.build_zoo(out, size="test", seed=0, progress=False, threads=1)
+    assert man["cached"] is False and not stash.exists()
+    assert man["metrics"]["lossless_check"]["greedy_retrace_equals_target"]
+    built = _digests(out)
+    assert {k: built[k] for k in kept} == kept and any(k.startswith("drafter/") for k in built)

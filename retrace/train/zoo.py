@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from retrace.errors import RetraceError
-from retrace.output_dir import OutputDirError, check_output, staged_output
+from retrace.output_dir import OutputDirError, _sibling, check_output, staged_output
 
 ZOO_VERSION = 2  # 2: fp32 eager training under portable numerics (retrace.train.numerics)
 MANIFEST = "manifest.json"
@@ -132,9 +132,33 @@ def build_zoo(out: str | Path, size: str = "small", seed: int = 0, force: bool =
         return man
     from retrace.train import numerics
 
-    with staged_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") as tmp, numerics.deterministic():
-        man = _build(out, tmp, size, seed, force, progress, threads)
+    try:
+        with staged_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") as tmp, numerics.deterministic():
+            man = _build(out, tmp, size, seed, force, progress, threads)
+    except BaseException:
+        if target_stash(out).is_dir():
+            _log(True, f"kept the finished target stage in {target_stash(out)}: the next run with the same "
+                       "size and seed reuses it")
+        raise
+    shutil.rmtree(target_stash(out), ignore_errors=True)
     return dict(man, cached=False)
+
+
+def target_stash(out: Path) -> Path:
+    """Where a finished target stage (the build's longest part) waits while the later stages run, so that a
+    failure after it costs only those stages on the next run; removed once the zoo is installed."""
+    return out.parent / f".{out.name}.zoo-target-stage"
+
+
+def _stash_target(tmp: Path, out: Path) -> None:
+    stash, staging = target_stash(out), _sibling(out, "stash")
+    try:
+        for sub in ("target", "prompts", "data"):
+            shutil.copytree(tmp / sub, staging / sub)
+        shutil.rmtree(stash, ignore_errors=True)
+        staging.rename(stash)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def preflight(out: str | Path, size: str, seed: int, force: bool, progress: bool = True,
@@ -178,12 +202,15 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
     cpu_all = time.process_time()
     timings: dict[str, float] = {}
 
-    # 1. target stage (reuse a finished one from `out`)
+    # 1. target stage (reuse a finished one from `out`, or the one a failed earlier run left in the stash)
     t0 = time.perf_counter()
-    if not force and zoo_target.cached_metrics(out, size, seed) is not None:
+    src = next((d for d in (out, target_stash(out)) if not force and zoo_target.cached_metrics(d, size, seed)), None)
+    if src is not None:
         for sub in ("target", "prompts", "data"):
-            shutil.copytree(out / sub, tmp / sub)
+            shutil.copytree(src / sub, tmp / sub)
     tm = zoo_target.build_target_stage(tmp, size, seed, progress=progress, num_threads=threads)
+    if src is None:
+        _stash_target(tmp, out)
     timings["target_s"] = round(time.perf_counter() - t0, 2)
 
     with cm.torch_threads(threads or 1):  # the stages below are latency-bound: one thread per process
