@@ -6,7 +6,8 @@
 1. Per call (batch 1, the shapes of a round): target decode (T=1), verify (T=16), drafter round (B=16,
    16 new context tokens), at past lengths 128 and 1024 in caches of max_seq_len 2048, for
      torch            the torch backend (retrace.runtime.torch_backend),
-     ort gather       the ORT backend's default: the needed past gathered into a dense staging buffer,
+     ort inplace      the ORT backend's default on the CPU: K/V written in place (runtime/kv_inplace.py),
+     ort gather       the portable graph: the needed past gathered into a dense staging buffer,
      ort full         the ORT backend binding whole per-slot caches (no copy, attends over max_seq_len),
      ort sess.run     a plain `InferenceSession.run` with numpy feeds (no IO binding), same past as gather,
    and the share of an ORT call spent gathering the past.
@@ -151,10 +152,11 @@ def main(argv=None) -> int:
 
     if not a.skip_per_call:
         backends = {"torch": TorchBackend.from_dirs(tdir, ddir, max_batch=8, max_seq_len=MAX_SEQ),
-                    "ort gather": ort_be(max_batch=8), "ort full": ort_be(max_batch=8, kv_mode="full")}
+                    "ort inplace": ort_be(max_batch=8), "ort gather": ort_be(max_batch=8, kv_mode="gather"),
+                    "ort full": ort_be(max_batch=8, kv_mode="full")}
         pc = per_call(backends, a.seconds, a.reps)
         report["per_call_ms"] = pc
-        cols = ["torch", "ort gather", "ort full", "ort sess.run", "gather only"]
+        cols = ["torch", "ort inplace", "ort gather", "ort full", "ort sess.run", "gather only"]
         w = max(map(len, pc))
         print(f"\nper call, batch 1, ms (max_seq_len {MAX_SEQ}, {a.threads} threads)")
         print(f"{'':{w}}" + "".join(f"{c:>14}" for c in cols))
