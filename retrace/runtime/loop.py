@@ -185,7 +185,9 @@ class Scheduler:
             self._prefill(admitted, events)
         self.max_batch_seen = max(self.max_batch_seen, len(self.running))
         for mode in MODES:
-            group = [r for r in self.running.values() if r.mode == mode]
+            # in slot order: a full batch's slots are then one contiguous range, which backends bind as views
+            # (a scattered set is gathered; the running dict's order is admission order, not slot order)
+            group = sorted((r for r in self.running.values() if r.mode == mode), key=lambda r: r.slot)
             if group:
                 self._round(group, events)
         self.timing.wall += time.perf_counter() - t0

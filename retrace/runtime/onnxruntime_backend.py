@@ -326,7 +326,10 @@ class OnnxRuntimeBackend:
         N = slots.numel()
         total = int(past_len.max()) + T
         rows = contiguous_range(slots)
-        kv = self.tcache.kv[:, rows] if rows is not None else self.tcache.kv[:, slots]  # scattered: a copy
+        # scattered slots: their caches up to the call's end gathered into a buffer of that capacity (the
+        # operator needs only capacity >= past + T), the new entries written back below
+        kv = (self.tcache.kv[:, rows] if rows is not None
+              else torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots))
         feeds.update(seqlens_k=(past_len + (T - 1)).to(torch.int32), query_seqlens=torch.full((N,), T, dtype=torch.int32),
                      total_sequence_length=torch.tensor(total, dtype=torch.int32))
         if BIAS in g.inputs:
