@@ -24,7 +24,7 @@ class _Req:
 
 
 def test_index_finds_the_most_recent_longest_match():
-    lk = PromptLookup(max_ngram=3, min_ngram=1, max_tokens=4)
+    lk = PromptLookup(max_ngram=3, min_ngram=1, max_tokens=4, max_rows=4)
     r = _Req([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2])
     drafts, lengths = lk.propose([r], 8)
     assert drafts.tolist() == [[3, 7, 8, 1]] and lengths.tolist() == [4]  # "1 2" last seen before "3 7 8"
@@ -35,6 +35,7 @@ def test_index_finds_the_most_recent_longest_match():
     sampling = _Req([1, 2, 1], slot=2, temperature=1.0)
     drafts, lengths = lk.propose([none, sampling], 8)
     assert lengths.tolist() == [0, 0]  # no earlier occurrence; a sampling row takes none
+    assert PromptLookup().propose([r, none], 8)[1].tolist() == [0, 0]  # default: rounds of one row only
     lk.clear(0)
     assert 0 not in lk.index
     with pytest.raises(RetraceError, match="n-gram sizes"):
@@ -72,7 +73,7 @@ def pair(tmp_path_factory):
 def test_greedy_with_lookup_is_the_targets_own_decode_on_torch(pair, mode):
     target, drafter, prompts, greedy = pair
     rt = Runtime.from_dirs(target, drafter, max_batch=3, max_seq_len=128, verify_policy=_never_drafts(8),
-                           prompt_lookup=True)
+                           prompt_lookup=PromptLookup(max_rows=3))
     res = rt.generate(prompts, SamplingParams(max_new_tokens=48), mode)
     assert [r.token_ids for r in res] == greedy
     st = rt.run_stats()["prompt_lookup"]
@@ -90,7 +91,8 @@ def test_lookup_on_onnxruntime_and_sampling_rows(pair, tmp_path):
     res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out",
                                     str(tmp_path / "b"), "--max-batch", "4", "--max-seq-len", "128", "--quiet"])
     assert res.exit_code == 0, res.output
-    rt = Runtime.from_bundle(tmp_path / "b", threads=1, verify_policy=_never_drafts(8), prompt_lookup=True)
+    rt = Runtime.from_bundle(tmp_path / "b", threads=1, verify_policy=_never_drafts(8),
+                             prompt_lookup=PromptLookup(max_rows=4))
     out = rt.generate(prompts, SamplingParams(max_new_tokens=48), "retrace")
     assert [r.token_ids for r in out] == greedy
     assert rt.run_stats()["prompt_lookup"]["accepted"] > 0

@@ -11,8 +11,12 @@ for the drafter's tokens, so the output stays the target's own.
 How many lookup tokens a round verifies is cost-aware (`choose`): with a per-token acceptance estimate
 `a` (decayed hit/miss counts of earlier lookup rounds) and the policy's verify cost curve t(T), the
 round verifies the K that maximises (N + sum over rows of a + ... + a^min(L_i, K)) / t(N, K + 1), L_i
-being row i's proposal length; K = 0 is a plain decoding step. Under `--verify-policy fixed` every
-proposal is verified whole. Greedy rows only: a sampling row takes no lookup tokens (verified 0).
+being row i's proposal length; K = 0 is a plain decoding step (a policy without a cost model verifies every
+proposal whole). Greedy rows only: a sampling row takes no lookup tokens (verified 0). Rounds of more
+than `max_rows` rows (default 1) take none: at the Qwen3-0.6B shape on 2 CPU cores lookup won at batch 1
+(1.05x onnxruntime-genai's n-gram speculation) but lost 8-11% to plain decoding with 4 rows, in closed
+batches and under continuous batching alike (benchmarks/continuous_batch.py), the estimate above being too
+optimistic there.
 """
 
 from __future__ import annotations
@@ -50,13 +54,14 @@ class _Index:
 
 class PromptLookup:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 8, decay: float = 0.98,
-                 prior: tuple[float, float] = (1.0, 1.0)):
+                 prior: tuple[float, float] = (1.0, 1.0), max_rows: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise RetraceError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         if max_tokens < 1:
             raise RetraceError(f"prompt lookup needs max_tokens >= 1, got {max_tokens}")
         self.sizes = range(min_ngram, max_ngram + 1)
         self.max_tokens = max_tokens
+        self.max_rows = max_rows
         self.decay = decay
         self.hits, self.misses = prior  # decayed counts of accepted / rejected lookup tokens
         self.index: dict[int, _Index] = {}  # slot -> the request's tokens so far
@@ -80,6 +85,8 @@ class PromptLookup:
 
     def propose(self, reqs, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (drafts [N, L] int64 padded with 0, lengths [N]) from each greedy request's own tokens."""
+        if len(reqs) > self.max_rows:
+            return torch.zeros(len(reqs), 0, dtype=torch.int64), torch.zeros(len(reqs), dtype=torch.int64)
         props = [self._tokens(r)[:max_tokens] if r.params.temperature <= 0 else [] for r in reqs]
         L = max(len(p) for p in props)
         drafts = torch.zeros(len(reqs), L, dtype=torch.int64)
@@ -116,6 +123,6 @@ class PromptLookup:
         self.accepted += hits
 
     def to_dict(self) -> dict:
-        return {"ngram": [self.sizes.start, self.sizes.stop - 1], "max_tokens": self.max_tokens,
+        return {"ngram": [self.sizes.start, self.sizes.stop - 1], "max_tokens": self.max_tokens, "max_rows": self.max_rows,
                 "rounds": self.rounds, "verified": self.verified, "accepted": self.accepted,
                 "accept_rate_estimate": round(self.accept_rate, 4)}
