@@ -89,7 +89,7 @@ def main() -> None:
 
         from retrace.bench.builds import build_genai_model
 
-        model_dir, info = build_genai_model(args.target, args.cache_dir, args.threads)
+        model_dir, _ = build_genai_model(args.target, args.cache_dir, args.threads)
         model = og.Model(str(model_dir))
         systems["ortgenai"] = lambda P: ortgenai(model, P, args.steps, cfg["vocab_size"])
         env["ortgenai"] = {"version": og.__version__, "model_dir": str(model_dir)}
@@ -104,7 +104,6 @@ def main() -> None:
         rows.append(row)
     import onnxruntime
 
-    from retrace.runtime import kv_inplace  # noqa: F401 - the module under test
     from retrace.train.numerics import cpu_name
 
     meta = {"target": args.target, "bundle": args.bundle, "threads": args.threads, "steps": args.steps,

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from retrace.runtime.graph_prune import prune
 
-INPUTS = ("seqlens_k", "query_seqlens", "total_sequence_length")
 BIAS = "attention_bias"
 
 

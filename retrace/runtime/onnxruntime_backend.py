@@ -54,8 +54,7 @@ from retrace.runtime.shared_weights import SharedWeights
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
        "tensor(double)": np.float64, "tensor(bfloat16)": None, "tensor(bool)": np.bool_}
 _TORCH = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.int32: torch.int32,
-          np.float64: torch.float64,
-          np.bool_: torch.bool}
+          np.float64: torch.float64, np.bool_: torch.bool}
 KV_MODES = ("inplace", "gather", "full")
 
 
@@ -292,12 +291,13 @@ class OnnxRuntimeBackend:
         g = self.tgraph
         N, T = input_ids.shape
         past_len = positions[:, 0].contiguous()
-        if tree_mask is not None and not (BIAS in g.inputs or "tree_mask" in g.inputs):
+        takes_mask = "tree_mask" in g.inputs or BIAS in g.inputs  # a tree-mask bundle (in place: as a bias)
+        if tree_mask is not None and not takes_mask:
             raise RetraceError("this bundle's target graph has no tree_mask input: rebuild it with "
                                "`retrace-export build --tree-mask` for tree verification, or use --tree-budget 0")
         feeds = {"input_ids": input_ids.to(torch.int64), "position_ids": positions.to(torch.int64),
                  "past_len": past_len.to(torch.int64), "logits_index": logits_index.to(torch.int64)}
-        if "tree_mask" in g.inputs or BIAS in g.inputs:  # a chain's mask is the causal triangle
+        if takes_mask:  # a chain's mask is the causal triangle
             feeds["tree_mask"] = (tree_mask if tree_mask is not None
                                   else torch.ones(T, T, dtype=torch.bool).tril().expand(N, T, T)).to(torch.bool)
         K = logits_index.shape[1]

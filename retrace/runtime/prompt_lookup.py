@@ -65,7 +65,7 @@ class PromptLookup:
         self.decay = decay
         self.hits, self.misses = prior  # decayed counts of accepted / rejected lookup tokens
         self.index: dict[int, _Index] = {}  # slot -> the request's tokens so far
-        self.rounds = self.proposed = self.verified = self.accepted = 0
+        self.rounds = self.verified = self.accepted = 0
 
     @property
     def accept_rate(self) -> float:

@@ -150,11 +150,15 @@ def target_stash(out: Path) -> Path:
     return out.parent / f".{out.name}.zoo-target-stage"
 
 
+def _copy_target_stage(src: Path, dst: Path) -> None:
+    for sub in ("target", "prompts", "data"):
+        shutil.copytree(src / sub, dst / sub)
+
+
 def _stash_target(tmp: Path, out: Path) -> None:
     stash, staging = target_stash(out), _sibling(out, "stash")
     try:
-        for sub in ("target", "prompts", "data"):
-            shutil.copytree(tmp / sub, staging / sub)
+        _copy_target_stage(tmp, staging)
         shutil.rmtree(stash, ignore_errors=True)
         staging.rename(stash)
     finally:
@@ -206,8 +210,7 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
     t0 = time.perf_counter()
     src = next((d for d in (out, target_stash(out)) if not force and zoo_target.cached_metrics(d, size, seed)), None)
     if src is not None:
-        for sub in ("target", "prompts", "data"):
-            shutil.copytree(src / sub, tmp / sub)
+        _copy_target_stage(src, tmp)
     tm = zoo_target.build_target_stage(tmp, size, seed, progress=progress, num_threads=threads)
     if src is None:
         _stash_target(tmp, out)
