@@ -7,7 +7,8 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench bench-scale serve-bundle serve-bench serve-bench-triton clean triton-env gpu-carry zoo-seeds
+.PHONY: venv demo test lint bench bench-scale serve-bundle serve-bench serve-bench-triton clean triton-env gpu-carry zoo-seeds \
+	zoo zoo-release zoo-release-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,8 +19,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Main job on the embedded default: build the tiny model pair (cached), compile an ONNX Runtime (CPU)
-# engine bundle, and generate with ReTrace from it.
+# Main job on the embedded default: install the trained tiny model pair that ships (hash-checked), compile an
+# ONNX Runtime (CPU) engine bundle, generate with ReTrace from it, and print tau against DFlash.
 demo: $(STAMP)
 	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
 	$(BIN)/retrace-export build --target $(ZOO)/target --drafter $(ZOO)/drafter --out $(BUNDLE) --force
@@ -90,3 +91,17 @@ gpu-carry: $(STAMP)
 # README gives. About 3x one `make demo` zoo build.
 zoo-seeds: $(STAMP)
 	$(BIN)/python benchmarks/zoo_seeds.py --size small --seeds 0,1,2 --root zoo-seeds --json bench-out/zoo-seeds.json --markdown bench-out/zoo-seeds.md --plot bench-out/zoo-seeds.png
+
+# The zoo from scratch (portable numerics, 25-50 min on 2 cores) instead of the shipped one; zoo-release makes a
+# fresh build the shipped release (retrace/train/shipped/, after a recipe change); zoo-release-check retrains and
+# compares the bytes with what ships (benchmarks/zoo_release_check.py).
+zoo: $(STAMP)
+	$(BIN)/retrace zoo tiny --train --out $(ZOO) --size small --threads 1
+
+ZOO_RELEASE_BUILD ?= .zoo-release-build
+zoo-release: $(STAMP)
+	$(BIN)/retrace zoo tiny --train --force --out $(ZOO_RELEASE_BUILD) --size small --seed 0 --threads 1
+	$(BIN)/python -m retrace.train.zoo_release $(ZOO_RELEASE_BUILD) "retrace zoo tiny --train --size small --seed 0 --threads 1 --numerics portable"
+
+zoo-release-check: $(STAMP)
+	$(BIN)/python benchmarks/zoo_release_check.py --size small --seed 0 --out zoo-release-check --json bench-out/zoo-release-check.json

@@ -39,7 +39,7 @@ COLUMNS = [  # (key, header, getter on the manifest's metrics)
 def build(root: Path, size: str, seed: int, numerics: str) -> dict:
     out = root / f"seed-{seed}"
     cmd = [sys.executable, "-m", "retrace", "zoo", "tiny", "--out", str(out), "--size", size, "--seed", str(seed),
-           "--numerics", numerics]
+           "--numerics", numerics, "--train"]  # seed 0 too: what the recipe builds, not what ships
     click.echo(f"[zoo-seeds] seed {seed}: {' '.join(cmd[2:])}", err=True)
     subprocess.run(cmd, check=True)
     return json.loads((out / "manifest.json").read_text())

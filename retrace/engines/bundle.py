@@ -331,7 +331,7 @@ def verify(root: str | Path, manifest: dict | None = None, full: bool = True) ->
     problems = manifest_problems(root, manifest)
     bad = [c for c in check_files(root, manifest, full=full) if not c.ok]
     if problems or bad:
-        items = problems + [_describe(c) for c in bad]
+        items = problems + [describe_check(c) for c in bad]
         what = "; ".join(items[:6]) + (" ..." if len(items) > 6 else "")
         raise BundleError(f"{root}: engine bundle does not match its manifest ({what}). It was modified or "
                           "copied incompletely: rebuild it with retrace-export build (--force)")
@@ -348,7 +348,8 @@ def is_complete_bundle(root: str | Path) -> bool:
     return True
 
 
-def _describe(c: FileCheck) -> str:
+def describe_check(c: FileCheck) -> str:
+    """One FileCheck as a short phrase for an error message ("x is missing", "x sha256 ab.. != manifest cd..")."""
     if c.status == "missing":
         return f"{c.path} is missing"
     if c.status == "outside":

@@ -204,18 +204,26 @@ def zoo() -> None:
               help="portable: the same zoo bit for bit on any AVX2 x86-64 CPU (MKL and ATen pinned to their AVX2 "
                    "paths; the command re-runs itself with MKL_CBWR/ATEN_CPU_CAPABILITY set); native: this CPU's "
                    "fastest kernels (results differ between CPU models)")
+@click.option("--train", "train_", is_flag=True,
+              help="train the pair from scratch (25-50 CPU-minutes for small) instead of installing the trained "
+                   "zoo that ships with retrace (small, seed 0: hash-checked, seconds)")
 @click.option("--quiet", is_flag=True)
 @cli_errors
-def zoo_tiny(out_dir, size, seed, force, threads, numerics, quiet) -> None:
-    """Build a tiny target + DFlash drafter + ReTrace conditioner offline, deterministically (cached)."""
+def zoo_tiny(out_dir, size, seed, force, threads, numerics, train_, quiet) -> None:
+    """The tiny target + DFlash drafter + ReTrace conditioner: the shipped pair, or trained offline,
+    deterministically (cached)."""
     from retrace.train import numerics as numerics_mod
+    from retrace.train import zoo_release
     from retrace.train.zoo import build_zoo, preflight
 
-    if numerics == "portable" and numerics_mod.mode() != "portable":  # MKL/ATen read it at start: a child
+    if not train_ and numerics == "portable" and zoo_release.shipped(size, seed) is not None:
+        man = zoo_release.install(out_dir, size, seed, force=force, progress=not quiet)
+    elif numerics == "portable" and numerics_mod.mode() != "portable":  # MKL/ATen read it at start: a child
         man = preflight(out_dir, size, seed, force, not quiet, numerics_mode="portable")  # errors, cache hits here
         if man is None:
             args = ["zoo", "tiny", "--out", out_dir, "--size", size, "--seed", str(seed), "--numerics", "portable"]
             args += (["--force"] if force else []) + (["--threads", str(threads)] if threads else [])
+            args += ["--train"] if train_ else []
             code, out = numerics_mod.run_portable(args + (["--quiet"] if quiet else []))
             click.echo(out, nl=False)
             if code:
@@ -224,9 +232,11 @@ def zoo_tiny(out_dir, size, seed, force, threads, numerics, quiet) -> None:
     else:
         man = build_zoo(out_dir, size=size, seed=seed, force=force, progress=not quiet, threads=threads)
     m = man["metrics"]
-    click.echo(f"{'cache hit' if man.get('cached') else 'built'}: {out_dir} (size {size}, seed {seed})")
+    how = "cache hit" if man.get("cached") else "installed the shipped zoo" if man.get("release") else "built"
+    click.echo(f"{how}: {out_dir} (size {size}, seed {seed})")
     click.echo(f"  target ppl {m['target_ppl']}, drafter train loss {m['drafter_train_loss']}, mean gate "
-               f"{m['conditioner_mean_gate']}, total {man['timings']['total_s']}s")
+               f"{m['conditioner_mean_gate']}, total {man['timings']['total_s']}s"
+               + (" (to train it, when it was built)" if man.get("release") else ""))
     for T, t in m["tau"].items():
         p = t.get("paired") or {}
         click.echo(f"  {T}: tau dflash {t['dflash']}, retrace {t['retrace']}, diff {p.get('mean_diff')} "

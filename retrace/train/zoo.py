@@ -33,7 +33,8 @@ from retrace.output_dir import OutputDirError, _sibling, check_output, staged_ou
 ZOO_VERSION = 2  # 2: fp32 eager training under portable numerics (retrace.train.numerics)
 MANIFEST = "manifest.json"
 KIND = "zoo"  # the owner-marker kind (retrace.output_dir)
-_ZOO_ENTRIES = {"target", "drafter", "prompts", "data", "draft-ar", MANIFEST}  # draft-ar: `retrace zoo draft-ar`
+# draft-ar: `retrace zoo draft-ar`; release.json: a shipped zoo (retrace.train.zoo_release)
+_ZOO_ENTRIES = {"target", "drafter", "prompts", "data", "draft-ar", MANIFEST, "release.json"}
 
 # Per size: drafter, conditioner and evaluation settings (sized for 2 CPU cores: see the module README
 # notes in the manifest's "timings").
@@ -177,13 +178,18 @@ def preflight(out: str | Path, size: str, seed: int, force: bool, progress: bool
         if man is not None:
             _log(progress, f"cache hit: {out / MANIFEST}")
             return dict(man, cached=True)
-        old = read_manifest(out) or {}
-        if (old.get("size"), old.get("seed")) != (size, int(seed)):
-            raise OutputDirError(f"{out} holds a zoo of size {old.get('size')!r}, seed {old.get('seed')!r}; pass "
-                                 f"--force to replace it with size {size!r}, seed {seed} (or choose another --out)")
+        refuse_other_zoo(out, size, seed)
         _log(progress, f"{out} holds a zoo of size {size}, seed {seed} built with other settings or library "
                        "versions: rebuilding it")
     return None
+
+
+def refuse_other_zoo(out: Path, size: str, seed: int) -> None:
+    """`out` holds a zoo of another size or seed: replacing it needs --force."""
+    old = read_manifest(out) or {}
+    if (old.get("size"), old.get("seed")) != (size, int(seed)):
+        raise OutputDirError(f"{out} holds a zoo of size {old.get('size')!r}, seed {old.get('seed')!r}; pass "
+                             f"--force to replace it with size {size!r}, seed {seed} (or choose another --out)")
 
 
 def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bool, threads: int | None) -> dict:
