@@ -451,6 +451,8 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     bf16 = (device.type == "cuda") if cfg.bf16 is None else cfg.bf16
     if cfg.batch_size < 1 or cfg.grad_accum < 1:
         raise RetraceError(f"--batch-size ({cfg.batch_size}) and --grad-accum ({cfg.grad_accum}) must be positive")
+    if resume and cm.has_train_state(out):  # before the target generates anything or train_data/ is touched
+        cm.check_resumable(out, "dflash", _sha(_resume_key(cfg)), cfg.steps)
     torch.manual_seed(cfg.seed)
     tconf = Qwen3Config.from_dir(target_dir)
     mask_id = find_mask_token_id(target_dir, tconf.vocab_size, cfg.mask_token_id)
@@ -569,9 +571,6 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     step, history = 0, []
     if resume and cm.has_train_state(out):
         step, info, rng = fs.load_train_state(out, params, opt, model)
-        if info.get("kind") != "dflash" or info.get("config_sha") != _sha(_resume_key(cfg)):
-            raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
-                               "start without --resume (or with the same flags)")
         saved = info.get("streams") or [[info["epoch"], info["cursor"]]]
         if len(saved) == S:
             for s in range(S):

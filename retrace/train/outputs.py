@@ -1,7 +1,7 @@
 """Where `retrace train dflash|conditioner` may write, and an honest account of what an interrupted run wrote.
 
-Training writes into its output directory in place (its checkpoint, OUT/train_state, must survive an
-interrupt so that --resume can continue), so it follows retrace.output_dir's rule through
+Training writes into its output directory in place (its checkpoint, OUT/train_state for the drafter and
+OUT/conditioner_state for the conditioner, must survive an interrupt so that --resume can continue), so it follows retrace.output_dir's rule through
 `claim_in_place` (kind "drafter"): OUT must be absent, empty or a drafter directory retrace wrote (its
 marker, or, marker-less, nothing but drafter/conditioner/training files). On top of that:
 
@@ -10,13 +10,15 @@ marker, or, marker-less, nothing but drafter/conditioner/training files). On top
 * --resume without a checkpoint is an error (it never silently starts fresh);
 * a new DFlash drafter removes a conditioner left beside it (it was trained for the old drafter);
 * `retrace train conditioner` without --out adds its files to the drafter directory (it deletes nothing
-  there, so that directory need not be retrace's).
+  there, so that directory need not be retrace's); its checkpoint goes to conditioner_state/, so the
+  drafter's train_state/ stays as it was and `train dflash --resume` still continues it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,35 +28,36 @@ from retrace.output_dir import MARKER, claim_in_place, no_space, sigterm_as_inte
 KIND = "drafter"
 CONDITIONER_FILES = ("retrace_config.json", "retrace.safetensors", "conditioner_train.json")
 DRAFTER_FILES = {"config.json", "model.safetensors", "generation_config.json", "dflash_train.json", "train_state",
-                 "train_data", *CONDITIONER_FILES}
+                 "train_data", "conditioner_state", *CONDITIONER_FILES}
+STATE_DIRS = ("train_state", "conditioner_state")
 
 
 def is_legacy_drafter(path: Path) -> bool:
     """A marker-less directory holding nothing but what `retrace train` writes (an older retrace's output)."""
-    names = {p.name for p in path.iterdir() if not p.name.startswith(".train_state.")} - {MARKER}
+    names = {p.name for p in path.iterdir() if not p.name.startswith((".train_state.", ".conditioner_state."))}
+    names -= {MARKER}
     return "config.json" in names and names <= DRAFTER_FILES
 
 
-def _has_checkpoint(out: Path) -> bool:
+def _check_resume(out: Path, resume: bool, state: str) -> None:
     from retrace.train.common import has_train_state
 
-    return has_train_state(out)
-
-
-def _check_resume(out: Path, resume: bool) -> None:
-    sweep_stale(out / "train_state")  # temp dirs of checkpoints whose writer was killed
-    if resume and not _has_checkpoint(out):
-        raise RetraceError(f"--resume: {out} has no training checkpoint (train_state/) to continue; run without "
+    sweep_stale(out / state)  # temp dirs of checkpoints whose writer was killed
+    if resume and not has_train_state(out, state):
+        raise RetraceError(f"--resume: {out} has no training checkpoint ({state}/) to continue; run without "
                            "--resume to start a new training run")
 
 
 def prepare_dflash_out(out: Path, force: bool, resume: bool) -> None:
     """Apply the rules above for `train dflash --out OUT` before anything is written."""
+    from retrace.train.common import STATE_DIR
+
     had = claim_in_place(out, KIND, is_legacy_drafter, "drafter directory")
-    _check_resume(out, resume)
+    _check_resume(out, resume, STATE_DIR)
     if had and not (force or resume):
         what = [w for w, f in (("a trained drafter", "model.safetensors"), ("a conditioner", "retrace.safetensors"),
-                               ("a training checkpoint", "train_state")) if (out / f).exists()]
+                               ("a training checkpoint", "train_state"),
+                               ("a conditioner checkpoint", "conditioner_state")) if (out / f).exists()]
         if what:
             raise RetraceError(f"{out} already holds {' and '.join(what)}; pass --resume to continue its training "
                                "or --force to train a new drafter there (it replaces them)")
@@ -62,9 +65,11 @@ def prepare_dflash_out(out: Path, force: bool, resume: bool) -> None:
 
 def prepare_conditioner_out(out: Path, drafter_dir: Path, force: bool, resume: bool) -> None:
     """Apply the rules above for `train conditioner` (OUT defaults to the drafter directory)."""
+    from retrace.train.common import conditioner_state_dir
+
     if out.resolve() != drafter_dir.resolve():
         claim_in_place(out, KIND, is_legacy_drafter, "drafter directory")
-    _check_resume(out, resume)
+    _check_resume(out, resume, conditioner_state_dir(out))
     if not (force or resume) and (out / "retrace.safetensors").exists():
         raise RetraceError(f"{out} already holds a trained conditioner (retrace.safetensors); pass --force to "
                            "train a new one there (it starts from that conditioner unless --reinit) or --resume "
@@ -76,6 +81,7 @@ def drop_stale_conditioner(out: Path) -> None:
     for name in CONDITIONER_FILES:
         with contextlib.suppress(FileNotFoundError):
             (out / name).unlink()
+    shutil.rmtree(out / "conditioner_state", ignore_errors=True)
 
 
 # -- what an interrupted run wrote -----------------------------------------------------------------------------
@@ -97,13 +103,14 @@ def describe_changes(out: Path, before: dict[str, tuple[int, int]]) -> str:
     text = f"interrupted: wrote {', '.join(tops)} in {out}"
     if removed:
         text += f"; removed {', '.join(removed)}"
-    state = out / "train_state" / "state.json"
-    if any(k.startswith("train_state/") for k in changed) and state.is_file():
-        try:
-            step = json.loads(state.read_text()).get("step")
-        except (OSError, ValueError):
-            step = None
-        text += f"; the checkpoint (step {step}) continues with --resume"
+    for name in STATE_DIRS:
+        state = out / name / "state.json"
+        if any(k.startswith(f"{name}/") for k in changed) and state.is_file():
+            try:
+                step = json.loads(state.read_text()).get("step")
+            except (OSError, ValueError, AttributeError):
+                step = None
+            text += f"; the checkpoint {name}/ (step {step}) continues with --resume"
     return text
 
 
