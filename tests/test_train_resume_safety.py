@@ -61,10 +61,27 @@ def test_conditioner_beside_the_drafter_keeps_its_checkpoint_resumable(setup, tm
     train_dflash(target, d, prompts, small_cfg(**CFG), resume=True, progress=False)
     full = tmp_path / "full"
     train_dflash(target, full, prompts, small_cfg(**CFG), progress=False)
-    a, b = load_file(str(full / "model.safetensors")), load_file(str(d / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _same_weights(full, d)
     # the new drafter's conditioner and its checkpoint were for the old drafter: both gone
     assert not (d / "retrace.safetensors").exists() and not (d / "conditioner_state").exists()
+
+    # --force over it: a staged run (its responses cache linked in: nothing regenerated) that replaces it
+    forced = _copy(d, tmp_path / "forced")
+    (forced / "retrace.safetensors").write_bytes(b"a stale conditioner")
+    generate = dflash_mod.generate
+    dflash_mod.generate = lambda *a, **k: pytest.fail("regenerated the cached responses")
+    try:
+        train_dflash(target, forced, prompts, small_cfg(**CFG), force=True, progress=False)
+    finally:
+        dflash_mod.generate = generate
+    _same_weights(full, forced)
+    assert not (forced / "retrace.safetensors").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp sibling left
+
+
+def _same_weights(a_dir, b_dir):
+    a, b = load_file(str(a_dir / "model.safetensors")), load_file(str(b_dir / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("change", [dict(num_prompts=30), dict(max_new_tokens=12)], ids=["num-prompts", "max-new"])

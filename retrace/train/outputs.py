@@ -6,7 +6,8 @@ OUT/conditioner_state for the conditioner, must survive an interrupt so that --r
 marker, or, marker-less, nothing but drafter/conditioner/training files). On top of that:
 
 * a finished drafter (model.safetensors) or conditioner (retrace.safetensors), or a checkpoint, already in
-  OUT is overwritten only with --force (start over) or --resume (continue the checkpoint);
+  OUT is overwritten only with --force (start over) or --resume (continue the checkpoint); with --force the
+  new run trains in a temp sibling that replaces OUT only when it ends, so an interrupt keeps the old one;
 * --resume without a checkpoint is an error (it never silently starts fresh);
 * a new DFlash drafter removes a conditioner left beside it (it was trained for the old drafter);
 * `retrace train conditioner` without --out adds its files to the drafter directory (it deletes nothing
@@ -18,12 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 from retrace.errors import RetraceError
-from retrace.output_dir import MARKER, claim_in_place, no_space, sigterm_as_interrupt, sweep_stale
+from retrace.output_dir import (
+    MARKER,
+    claim_in_place,
+    no_space,
+    sigterm_as_interrupt,
+    staged_output,
+    sweep_stale,
+)
 
 KIND = "drafter"
 CONDITIONER_FILES = ("retrace_config.json", "retrace.safetensors", "conditioner_train.json")
@@ -48,19 +57,79 @@ def _check_resume(out: Path, resume: bool, state: str) -> None:
                            "--resume to start a new training run")
 
 
-def prepare_dflash_out(out: Path, force: bool, resume: bool) -> None:
-    """Apply the rules above for `train dflash --out OUT` before anything is written."""
+def prepare_dflash_out(out: Path, force: bool, resume: bool) -> bool:
+    """Apply the rules above for `train dflash --out OUT` before anything is written. True when --force is to
+    replace a finished drafter, conditioner or checkpoint there (the new run is then staged: see dflash_out)."""
     from retrace.train.common import STATE_DIR
 
     had = claim_in_place(out, KIND, is_legacy_drafter, "drafter directory")
     _check_resume(out, resume, STATE_DIR)
-    if had and not (force or resume):
-        what = [w for w, f in (("a trained drafter", "model.safetensors"), ("a conditioner", "retrace.safetensors"),
-                               ("a training checkpoint", "train_state"),
-                               ("a conditioner checkpoint", "conditioner_state")) if (out / f).exists()]
-        if what:
-            raise RetraceError(f"{out} already holds {' and '.join(what)}; pass --resume to continue its training "
-                               "or --force to train a new drafter there (it replaces them)")
+    what = [w for w, f in (("a trained drafter", "model.safetensors"), ("a conditioner", "retrace.safetensors"),
+                           ("a training checkpoint", "train_state"),
+                           ("a conditioner checkpoint", "conditioner_state")) if (out / f).exists()]
+    if had and what and not (force or resume):
+        raise RetraceError(f"{out} already holds {' and '.join(what)}; pass --resume to continue its training "
+                           "or --force to train a new drafter there (it replaces them)")
+    return bool(had and what and force and not resume)
+
+
+@contextlib.contextmanager
+def dflash_out(out: Path, force: bool, resume: bool, d) -> Iterator[Path]:
+    """The directory `train dflash` trains into (d: the torchrun world, retrace.train.distributed.Dist).
+
+    * --force over finished output: a temp sibling (the responses cache in OUT/train_data linked in, so equal
+      settings do not regenerate), installed as OUT when the run ends; an error, Ctrl-C or SIGTERM removes it
+      and leaves the previous drafter as it was.
+    * otherwise OUT itself (checkpoints survive an interrupt for --resume); a run that fails before writing
+      anything leaves no directory holding only the owner marker behind.
+    Interrupts carry the account of what was written in OUT (report_interrupt)."""
+    fresh = not out.exists() or (out.is_dir() and not out.is_symlink() and not any(out.iterdir()))
+    existed = out.exists()
+
+    def unclaim() -> None:  # OUT was absent or empty and holds nothing but the marker: as it was
+        if d.is_main and fresh and out.is_dir() and {p.name for p in out.iterdir()} <= {MARKER}:
+            (out / MARKER).unlink(missing_ok=True)
+            if not existed:
+                out.rmdir()
+
+    try:
+        replacing = d.main_first(lambda: prepare_dflash_out(out, force, resume))
+    except BaseException:
+        unclaim()
+        raise
+    if replacing:
+        if not d.is_main:
+            yield Path(d.broadcast(None))
+            d.barrier()
+            return
+        with report_interrupt(out), staged_output(out, KIND, force=True, legacy=is_legacy_drafter,
+                                                  what="drafter directory") as tmp:
+            _link_tree(out / "train_data", tmp / "train_data")
+            d.broadcast(str(tmp))
+            yield tmp
+            d.barrier()
+        return
+    try:
+        with report_interrupt(out) if d.is_main else contextlib.nullcontext():
+            yield out
+    except BaseException:
+        unclaim()
+        raise
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard links (copies where links fail) of src's files under dst; written files are replaced, never
+    rewritten in place, so the links never change the original."""
+    if not src.is_dir():
+        return
+    for f in src.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            t = dst / f.relative_to(src)
+            t.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, t)
+            except OSError:
+                shutil.copy2(f, t)
 
 
 def prepare_conditioner_out(out: Path, drafter_dir: Path, force: bool, resume: bool) -> None:
