@@ -158,3 +158,25 @@ def test_cli_prints_the_damaged_checkpoint_error_without_a_traceback(setup, tmp_
                                     str(d), "--resume", "--quiet", "--device", "cpu", "--steps", "8"])
     assert res.exit_code == 2 and "not a readable training checkpoint" in res.output, res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("garbage", "conditioner_state/state.json: not a readable training checkpoint"),
+    ("step", "step -5 is not a step count"),
+])
+def test_conditioner_resume_of_a_damaged_checkpoint_is_refused_before_loading(setup, tmp_path, monkeypatch, damage,
+                                                                              needle):
+    import retrace.train.conditioner as cond_mod
+
+    target, prompts, split = setup
+    d = _copy(split, tmp_path / "d")
+    st = d / "conditioner_state"
+    st.mkdir()
+    (st / "state.safetensors").write_bytes((d / "train_state" / "state.safetensors").read_bytes())
+    meta = json.loads((d / "train_state" / "state.json").read_text())
+    meta["info"]["kind"] = "conditioner"
+    meta["step"] = -5
+    (st / "state.json").write_text("{oops" if damage == "garbage" else json.dumps(meta))
+    monkeypatch.setattr(cond_mod, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(RetraceError, match=needle):
+        train_conditioner(target, d, prompts, None, ConditionerConfig(device="cpu"), resume=True, progress=False)
