@@ -85,7 +85,7 @@ def is_owned(path: Path, kind: str, legacy: Legacy | None = None) -> bool:
     return legacy is not None and legacy(path)
 
 
-_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT, errno.ELOOP)
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
 
 
 def unwritable(e: BaseException) -> bool:
@@ -115,7 +115,7 @@ def _mkdir(path: Path, out: Path, **kw) -> None:
     try:
         path.mkdir(**kw)
     except OSError as e:
-        if unwritable(e):
+        if unwritable(e) or e.errno == errno.EEXIST:  # EEXIST: a file where the directory must be
             raise _cannot_write(out, e) from None
         raise
 

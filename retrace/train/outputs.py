@@ -1,9 +1,10 @@
 """Where `retrace train dflash|conditioner` may write, and an honest account of what an interrupted run wrote.
 
 Training writes into its output directory in place (its checkpoint, OUT/train_state for the drafter and
-OUT/conditioner_state for the conditioner, must survive an interrupt so that --resume can continue), so it follows retrace.output_dir's rule through
-`claim_in_place` (kind "drafter"): OUT must be absent, empty or a drafter directory retrace wrote (its
-marker, or, marker-less, nothing but drafter/conditioner/training files). On top of that:
+OUT/conditioner_state for the conditioner, must survive an interrupt so that --resume can continue), so it
+follows retrace.output_dir's rule through `claim_in_place` (kind "drafter"): OUT must be absent, empty or a
+drafter directory retrace wrote (its marker, or, marker-less, nothing but drafter/conditioner/training
+files). On top of that:
 
 * a finished drafter (model.safetensors) or conditioner (retrace.safetensors), or a checkpoint, already in
   OUT is overwritten only with --force (start over) or --resume (continue the checkpoint); with --force the
