@@ -197,3 +197,23 @@ def test_a_full_disk_during_training_is_a_clear_error(tmp_path):
         with outputs.report_interrupt(d):
             (d / "model.safetensors").write_bytes(b"part")
             raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_during_a_forced_run_keeps_the_previous_drafter(tmp_path, monkeypatch):
+    import errno
+
+    import retrace.train.dflash as dflash
+    from retrace.train.dflash import DFlashConfig, train_dflash
+
+    d = finished_drafter(tmp_path / "d", conditioner=True)
+
+    def full(target_dir, out, *a, **k):
+        (out / "model.safetensors").write_bytes(b"part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dflash, "_train_dflash", full)
+    with pytest.raises(OutputDirError) as e:
+        train_dflash(tmp_path / "t", d, tmp_path / "p.jsonl", DFlashConfig(device="cpu"), force=True, progress=False)
+    assert str(e.value).startswith(f"no space left on the device while writing {d}") and "nothing was changed" in str(e.value)
+    assert (d / "model.safetensors").read_bytes() == b"weights" and (d / "retrace.safetensors").read_bytes() == b"cond"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]

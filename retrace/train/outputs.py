@@ -28,6 +28,7 @@ from pathlib import Path
 from retrace.errors import RetraceError
 from retrace.output_dir import (
     MARKER,
+    OutputDirError,
     claim_in_place,
     no_space,
     sigterm_as_interrupt,
@@ -196,7 +197,7 @@ def report_interrupt(out: Path) -> Iterator[None]:
         e.retrace_message = describe_changes(out, before)
         raise
     except Exception as e:
-        if not no_space(e):
+        if not no_space(e) or isinstance(e, OutputDirError):  # staged: already says nothing changed in out
             raise
         wrote = describe_changes(out, before).replace("interrupted: ", "")
         raise RetraceError(f"no space left on the device while training into {out} ({e}); {wrote}") from None
