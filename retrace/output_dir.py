@@ -85,14 +85,51 @@ def is_owned(path: Path, kind: str, legacy: Legacy | None = None) -> bool:
     return legacy is not None and legacy(path)
 
 
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
+
+
+def unwritable(e: BaseException) -> bool:
+    """An OSError that says the path cannot be written (permissions, read-only file system, a file in the way)."""
+    return isinstance(e, OSError) and e.errno in _UNWRITABLE
+
+
+def _cannot_write(out: Path, e: OSError) -> OutputDirError:
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(out) else ""
+    return OutputDirError(f"cannot write {out}: {e.strerror or e}{where}; choose a writable output path")
+
+
+def _check_writable(out: Path) -> None:
+    """Refuse an output path that cannot be written before any work is done: a path below a regular file,
+    or below (or at) a directory this process may not write (permissions, a read-only file system)."""
+    at = out if out.is_dir() else out.parent
+    while not at.exists() and not at.is_symlink() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        raise OutputDirError(f"cannot write {out}: {at} is not a directory; choose another output path")
+    if not os.access(at, os.W_OK | os.X_OK):
+        raise OutputDirError(f"cannot write {out}: {at} is not writable (permission denied or a read-only file "
+                             "system); choose a writable output path")
+
+
+def _mkdir(path: Path, out: Path, **kw) -> None:
+    try:
+        path.mkdir(**kw)
+    except OSError as e:
+        if unwritable(e) or e.errno == errno.EEXIST:  # EEXIST: a file where the directory must be
+            raise _cannot_write(out, e) from None
+        raise
+
+
 def check_output(out: str | Path, kind: str, force: bool, legacy: Legacy | None = None,
                  what: str | None = None, exists_hint: str = "pass --force to replace it") -> bool:
     """Apply the rule to `out` before writing; returns True when `out` holds output to be replaced (own kind,
-    with force) and False when it is absent or empty. Raises OutputDirError otherwise."""
+    with force) and False when it is absent or empty. Raises OutputDirError otherwise (also for a path that
+    cannot be written)."""
     out = Path(out)
     what = what or kind
     if out.is_symlink():
         raise OutputDirError(f"{out} is a symbolic link; give the real path of the {what} to write")
+    _check_writable(out)
     if not out.exists():
         return False
     if not out.is_dir():
@@ -197,10 +234,10 @@ def staged_output(out: str | Path, kind: str, force: bool = False, legacy: Legac
     stage)."""
     out = Path(os.path.abspath(out))
     check_output(out, kind, force, legacy, what, exists_hint)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _mkdir(out.parent, out, parents=True, exist_ok=True)
     sweep_stale(out)
     tmp = _sibling(out, "tmp")
-    tmp.mkdir()
+    _mkdir(tmp, out)
     try:
         with sigterm_as_interrupt():
             try:
@@ -211,6 +248,9 @@ def staged_output(out: str | Path, kind: str, force: bool = False, legacy: Legac
                 if no_space(e):
                     raise OutputDirError(f"no space left on the device while writing {out} ({e}); nothing was "
                                          "changed there: free some space and run again") from None
+                if unwritable(e) and str(getattr(e, "filename", "")).startswith(str(tmp)):
+                    raise OutputDirError(f"cannot write {out}: {e.strerror} ({e.filename}); nothing was changed "
+                                         "there: choose a writable output path") from None
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -222,11 +262,16 @@ def claim_in_place(out: str | Path, kind: str, legacy: Legacy | None = None, wha
     already held this kind's output (the caller decides whether it may be overwritten: --force / --resume)."""
     out = Path(out)
     had = check_output(out, kind, force=True, legacy=legacy, what=what)
-    out.mkdir(parents=True, exist_ok=True)
+    _mkdir(out, out, parents=True, exist_ok=True)
     if owner(out) != kind:
-        write_marker(out, kind)
+        try:
+            write_marker(out, kind)
+        except OSError as e:
+            if unwritable(e):
+                raise _cannot_write(out, e) from None
+            raise
     return had
 
 
 __all__ = ["MARKER", "OutputDirError", "check_output", "claim_in_place", "install", "is_owned", "no_space",
-           "owner", "sigterm_as_interrupt", "staged_output", "sweep_stale", "write_marker"]
+           "owner", "sigterm_as_interrupt", "staged_output", "sweep_stale", "unwritable", "write_marker"]

@@ -132,3 +132,41 @@ def test_the_owner_marker_is_not_bundle_content(tmp_path):
     write_marker(b, "engine-bundle")
     assert Bundle.open(b)
     assert CliRunner().invoke(export_main, ["inspect", str(b)]).exit_code == 0
+
+
+def test_a_tokenizer_symlink_out_of_the_target_is_never_copied_into_a_bundle(tiny_pair, tmp_path):
+    """merges.txt -> /etc/passwd (any file outside the target directory) is refused by `retrace-export build`
+    at its input checks, naming the link; a link to a file inside the directory is fine."""
+    from retrace.export.build import tokenizer_files
+
+    target = tiny_pair(layers=2).target_dir
+    (target / "tokenizer.json").write_text("{}")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0")
+    (target / "merges.txt").symlink_to(secret)
+    out = tmp_path / "bundle"
+    res = CliRunner().invoke(export_main, ["build", "--target", str(target), "--out", str(out), "-q"])
+    assert res.exit_code == 2, res.output
+    assert f"{target / 'merges.txt'} is a symbolic link to {secret}, outside the target directory" in res.output
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    (target / "merges.txt").unlink()
+    (target / "real-merges.txt").write_text("#version: 0.2\n")
+    (target / "merges.txt").symlink_to("real-merges.txt")
+    assert tokenizer_files(target) == ["tokenizer.json", "merges.txt"]
+
+
+def test_a_bundle_file_linking_out_of_the_bundle_is_refused_also_by_triton(tmp_path):
+    """Even a bundle whose manifest an attacker re-hashed over such a link does not load and is not copied
+    into a Triton repository."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0")
+    root = graph_bundle(tmp_path / "b")
+    (root / "tokenizer" / "merges.txt").symlink_to(secret)
+    m = json.loads((root / "manifest.json").read_text())
+    m["tokenizer"]["files"].append("merges.txt")
+    write_manifest(root, m)  # every file (the link's target's bytes) hashed in, the manifest re-hashed
+    assert "tokenizer/merges.txt" in json.loads((root / "manifest.json").read_text())["files"]
+    refused(root, "outside|not a path inside")
+    res = CliRunner().invoke(export_main, ["triton", "--engine", str(root), "--out", str(tmp_path / "repo"),
+                                           "--no-env"])
+    assert res.exit_code == 2 and not (tmp_path / "repo").exists(), res.output

@@ -152,7 +152,7 @@ def test_invalid_config_json(which, text, target_dir, target, tmp_path):
     assert msg.startswith(f"{d / 'config.json'}: "), msg
     expected = {"[": "expected a JSON object, found list", "{": "not valid JSON"}[text[0]]
     if "wide" in text:
-        expected = "invalid value in config"
+        expected = "hidden_size='wide' must be a positive integer"
     assert expected in msg, msg
 
 

@@ -154,3 +154,74 @@ def test_default_target_layer_ids_from_config(tiny_pair):
     assert DrafterConfig.from_dict(raw, Path("x")).target_layer_ids == (18,)
     # the tiny pair's drafter has no target_layer_ids: 1 drafter layer on a 4-layer target -> [2]
     assert DrafterConfig.from_dir(pair.drafter_dir).target_layer_ids == (2,)
+
+
+@torch.no_grad()
+def _our_greedy(target: Qwen3Target, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by full forwards of our target (no cache): what the runtime's verify must match."""
+    ids = list(prompt)
+    for _ in range(n):
+        x = torch.tensor([ids])
+        pk, pv = target.empty_past(1)
+        logits = target(x, torch.arange(len(ids))[None], pk, pv, torch.zeros(1, dtype=torch.long))[0]
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_tied_config_with_its_own_lm_head_decodes_like_transformers(tiny_pair):
+    """`tie_word_embeddings: true` but the file carries an lm_head.weight that differs from the embedding:
+    transformers keeps that lm_head (untied); so do we, token for token."""
+    from helpers import load_hf_target
+    from runtime_fixtures import hf_greedy
+    from safetensors.torch import load_file
+
+    pair = tiny_pair(layers=2)
+    d = pair.target_dir
+    w = load_file(str(d / "model.safetensors"))
+    assert not torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
+    patch_json(d / "config.json", tie_word_embeddings=True)
+    ours, hf = Qwen3Target.from_pretrained(d), load_hf_target(d)
+    assert torch.equal(ours.lm_head.weight, w["lm_head.weight"]) and torch.equal(hf.lm_head.weight, w["lm_head.weight"])
+    for prompt in ([5, 9, 17, 3], [100, 2, 2, 40, 7, 61]):
+        assert _our_greedy(ours, prompt, 12) == hf_greedy(hf, prompt, 12)
+
+
+def test_tied_config_with_an_equal_lm_head_stays_tied(tiny_pair):
+    from safetensors.torch import load_file, save_file
+
+    pair = tiny_pair(layers=2)
+    d = pair.target_dir
+    w = load_file(str(d / "model.safetensors"))
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    patch_json(d / "config.json", tie_word_embeddings=True)
+    t = Qwen3Target.from_pretrained(d)
+    assert t.config.tie_word_embeddings and t.lm_head.weight.data_ptr() == t.model.embed_tokens.weight.data_ptr()
+
+
+def test_linear_rope_scaling_beside_rope_parameters_is_refused(tiny_pair):
+    """transformers merges a legacy `rope_scaling` into `rope_parameters` and applies it; we do not implement
+    scaled RoPE, so the checkpoint is refused naming the key instead of decoding differently."""
+    pair = tiny_pair(layers=2)
+    cfg = patch_json(pair.target_dir / "config.json", rope_scaling={"type": "linear", "factor": 2.0})
+    assert cfg["rope_parameters"]["rope_type"] == "default"
+    with pytest.raises(UnsupportedConfigError, match="rope_scaling type 'linear' is not supported"):
+        Qwen3Target.from_pretrained(pair.target_dir)
+
+
+@pytest.mark.parametrize("updates,needle", [
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}), "rope_parameters.rope_theta=-1 must be a positive"),
+    (dict(rope_parameters=None, rope_theta=-1), "rope_theta=-1 must be a positive"),
+    (dict(rope_parameters=None, rope_theta="1e6"), "rope_theta='1e6' must be a positive"),
+    (dict(hidden_size="64"), "hidden_size='64' must be a positive integer"),
+    (dict(num_hidden_layers=2.7), "num_hidden_layers=2.7 must be a positive integer"),
+    (dict(num_attention_heads=True), "num_attention_heads=True must be a positive integer"),
+    (dict(intermediate_size=-96), "intermediate_size=-96 must be a positive integer"),
+    (dict(rms_norm_eps=0), "rms_norm_eps=0 must be a positive number"),
+], ids=["theta-neg", "theta-neg-legacy", "theta-str", "hidden-str", "layers-float", "heads-bool", "inter-neg", "eps-0"])
+def test_malformed_sizes_are_refused_naming_the_key(tiny_pair, updates, needle):
+    pair = tiny_pair(layers=2)
+    patch_json(pair.target_dir / "config.json", **updates)
+    with pytest.raises(CheckpointError) as e:
+        Qwen3Config.from_dir(pair.target_dir)
+    assert needle in str(e.value) and str(pair.target_dir / "config.json") in str(e.value), str(e.value)

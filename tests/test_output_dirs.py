@@ -269,3 +269,73 @@ def test_zoo_sigterm_leaves_nothing_and_a_rerun_sweeps_what_a_kill_left(tmp_path
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in err, err
     assert not out.exists() and not siblings(out)
+
+
+# -- an output path that cannot be written: one clear line before any work, never a traceback ------------------
+def _fake_zoo(root: Path) -> Path:
+    for f in ("target/config.json", "target/model.safetensors", "drafter/config.json", "drafter/model.safetensors",
+              "drafter/retrace_config.json", "drafter/retrace.safetensors", "prompts/code.jsonl"):
+        (root / f).parent.mkdir(parents=True, exist_ok=True)
+        (root / f).write_text("{}")
+    return root
+
+
+def _command(which: str, tmp_path: Path, tiny_pair):
+    from retrace.cli import main as retrace_main
+    from retrace.export.cli import main as export_main
+
+    nowhere = str(tmp_path / "absent")
+    if which == "export build":
+        return export_main, ["build", "--target", str(tiny_pair(layers=2).target_dir), "-q"]
+    if which == "triton":
+        return export_main, ["triton", "--engine", str(fake_bundle(tmp_path / "b")), "--no-env"]
+    if which == "zoo inflate":
+        return retrace_main, ["zoo", "inflate", "--from", str(_fake_zoo(tmp_path / "zoo")), "--shape", "qwen3-0.6b",
+                              "--quiet"]
+    if which == "zoo tiny":
+        return retrace_main, ["zoo", "tiny", "--size", "test", "--quiet"]
+    if which == "train dflash":
+        return retrace_main, ["train", "dflash", "--target", nowhere, "--data", nowhere, "--quiet"]
+    return retrace_main, ["train", "conditioner", "--target", nowhere, "--drafter", nowhere, "--data", nowhere,
+                          "--quiet"]
+
+
+COMMANDS = ["export build", "triton", "zoo tiny", "zoo inflate", "train dflash", "train conditioner"]
+
+
+@pytest.mark.parametrize("why", ["below-a-file", "permission-denied"])
+@pytest.mark.parametrize("which", COMMANDS)
+def test_an_unwritable_output_path_is_one_clear_error(tmp_path, tiny_pair, monkeypatch, which, why):
+    """As root every directory is writable, so "permission denied" is os.access saying no (what it says for
+    another user's directory or a read-only file system); "below a file" is real."""
+    main, args = _command(which, tmp_path, tiny_pair)
+    parent = tmp_path / "ro"
+    if why == "below-a-file":
+        parent.write_text("a file, not a directory")
+        needle = f"{parent} is not a directory"
+    else:
+        parent.mkdir()
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == parent else real(p, mode, **k))
+        needle = f"{parent} is not writable"
+    out = parent / "out" / "deeper"
+    res = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert res.exit_code == 2 and f"error: cannot write {out}: {needle}" in res.output, res.output
+    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    assert parent.is_file() or not any(parent.iterdir())  # nothing created, no temp sibling
+
+
+def test_an_os_error_deep_in_a_command_is_one_line(tmp_path, monkeypatch):
+    """Whatever a command may not read or write later on (here: a file training opens) is one line naming the
+    path, exit 2, not a traceback."""
+    import retrace.train.dflash as dflash
+    from retrace.cli import main
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "locked.jsonl"))
+
+    monkeypatch.setattr(dflash, "_train_dflash", denied)
+    res = CliRunner().invoke(main, ["train", "dflash", "--target", "t", "--data", "p", "--out", str(tmp_path / "d"),
+                                    "--quiet"])
+    assert res.exit_code == 2 and res.output.strip() == f"error: {tmp_path / 'locked.jsonl'}: Permission denied"
+    assert not (tmp_path / "d").exists()  # the fresh OUT it had claimed is gone again

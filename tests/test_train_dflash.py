@@ -54,6 +54,8 @@ def test_training_reduces_loss_and_writes_zlab_format(setup, tmp_path):
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= names
     assert not any("embed" in n or "lm_head" in n for n in names)  # the target's, never saved with the drafter
     assert m["mask_row"]["ratio"] > 0.1
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "d").iterdir() if f.is_file()}
+    assert len(set(modes.values())) == 1, modes  # no 0600 files among the 0644 ones
     assert m["val_runtime_tau"]["tau_mean"] >= 1.0
 
 

@@ -154,7 +154,7 @@ def test_fsdp_conditioner_equals_ddp(setup, tmp_path):
     for kind in ("ddp", "fsdp"):
         m = _launch(*args, "--out", str(tmp_path / kind), *(["--fsdp"] if kind == "fsdp" else []))
         assert m["fsdp"] == (kind == "fsdp") and m["steps"] == 4
-    for f in ("retrace.safetensors", "train_state/state.safetensors"):
+    for f in ("retrace.safetensors", "conditioner_state/state.safetensors"):
         a, b = (load_file(str(tmp_path / k / f)) for k in ("ddp", "fsdp"))
         a, b = ({k: v for k, v in x.items() if not k.startswith("rng.")} for x in (a, b))
         assert _max_diff(a, b) < 1e-5, f

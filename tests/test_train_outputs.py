@@ -120,9 +120,73 @@ def test_cli_refuses_before_loading_anything_and_prints_the_interrupt_account(tm
         raise KeyboardInterrupt
 
     monkeypatch.setattr(dflash, "_train_dflash", interrupted)
-    res = CliRunner().invoke(main, [*args, "--force"])
-    assert res.exit_code == 130 and "interrupted: wrote model.safetensors" in res.output
-    assert "nothing was written" not in res.output
+    fresh = tmp_path / "fresh"  # a new run trains in place: its checkpoints must survive for --resume
+    res = CliRunner().invoke(main, [*args[:-3], "--out", str(fresh), "--quiet"])
+    assert res.exit_code == 130 and "interrupted: wrote model.safetensors" in res.output, res.output
+    assert "nothing was written" not in res.output and (fresh / "model.safetensors").read_bytes() == b"half-trained"
+
+
+def test_sigterm_during_force_keeps_the_previous_drafter(tmp_path, monkeypatch):
+    """`train dflash --force` over a finished drafter trains in a temp sibling: SIGTERM (or any error) part
+    way leaves the previous drafter, its conditioner and checkpoint exactly as they were; the end of the run
+    replaces them all at once."""
+    import os
+    import signal
+
+    import retrace.train.dflash as dflash
+    from retrace.cli import main
+
+    d = finished_drafter(tmp_path / "d", conditioner=True, checkpoint=True)
+    (d / "train_data").mkdir()
+    (d / "train_data" / "responses.json").write_text('{"key": "k", "responses": []}')
+    before = {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    seen = []
+
+    def train(target_dir, out, *a, **k):
+        seen.append(out)
+        assert out != d and out.parent == d.parent  # a sibling of OUT, not OUT
+        assert (out / "train_data" / "responses.json").read_bytes() == before["train_data/responses.json"]
+        (out / "model.safetensors").write_bytes(b"half-trained")
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt")
+
+    monkeypatch.setattr(dflash, "_train_dflash", train)
+    args = ["train", "dflash", "--target", str(tmp_path / "t"), "--data", str(tmp_path / "p.jsonl"), "--out", str(d),
+            "--quiet", "--force"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 130 and f"interrupted: nothing in {d} was changed" in res.output, res.output
+    after = {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != MARKER}
+    assert after == before and not seen[0].exists()  # (the unmarked drafter directory is now marked ours)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temp sibling left
+
+    def finish(target_dir, out, *a, **k):
+        (out / "config.json").write_text('{"new": 1}')
+        (out / "model.safetensors").write_bytes(b"new weights")
+        return {"steps": 1, "train_loss": 0.0, "val": {}, "val_runtime_tau": {}}
+
+    monkeypatch.setattr(dflash, "_train_dflash", finish)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in d.iterdir()) == [MARKER, "config.json", "model.safetensors", "train_data"]
+    assert (d / "model.safetensors").read_bytes() == b"new weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_a_failed_run_leaves_no_marker_only_directory(tmp_path):
+    """A run that fails before writing anything (here: a target that does not exist) leaves OUT as it was:
+    absent stays absent, empty stays empty."""
+    from retrace.train.dflash import DFlashConfig, train_dflash
+
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "empty", True)):
+        if existed:
+            out.mkdir()
+        with pytest.raises(RetraceError, match="not found"):
+            train_dflash(tmp_path / "no-target", out, tmp_path / "p.jsonl", DFlashConfig(device="cpu"), progress=False)
+        assert out.exists() == existed and (not existed or not any(out.iterdir()))
+        with pytest.raises(RetraceError, match="no training checkpoint"):
+            train_dflash(tmp_path / "no-target", out, tmp_path / "p.jsonl", DFlashConfig(device="cpu"), resume=True,
+                         progress=False)
+        assert out.exists() == existed and (not existed or not any(out.iterdir()))
 
 
 def test_a_full_disk_during_training_is_a_clear_error(tmp_path):
@@ -133,3 +197,23 @@ def test_a_full_disk_during_training_is_a_clear_error(tmp_path):
         with outputs.report_interrupt(d):
             (d / "model.safetensors").write_bytes(b"part")
             raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_during_a_forced_run_keeps_the_previous_drafter(tmp_path, monkeypatch):
+    import errno
+
+    import retrace.train.dflash as dflash
+    from retrace.train.dflash import DFlashConfig, train_dflash
+
+    d = finished_drafter(tmp_path / "d", conditioner=True)
+
+    def full(target_dir, out, *a, **k):
+        (out / "model.safetensors").write_bytes(b"part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dflash, "_train_dflash", full)
+    with pytest.raises(OutputDirError) as e:
+        train_dflash(tmp_path / "t", d, tmp_path / "p.jsonl", DFlashConfig(device="cpu"), force=True, progress=False)
+    assert str(e.value).startswith(f"no space left on the device while writing {d}") and "nothing was changed" in str(e.value)
+    assert (d / "model.safetensors").read_bytes() == b"weights" and (d / "retrace.safetensors").read_bytes() == b"cond"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]

@@ -26,6 +26,8 @@ def test_layout_and_manifest(zoo_dir):
               "prompts/code.jsonl", "prompts/docs.jsonl", "manifest.json"):
         assert (zoo_dir / f).is_file(), f
     assert not (zoo_dir / "drafter" / "train_state").exists()
+    modes = {f.relative_to(zoo_dir).as_posix(): f.stat().st_mode & 0o777 for f in zoo_dir.rglob("*") if f.is_file()}
+    assert len(set(modes.values())) == 1, modes  # model.safetensors / config.json were 0600, the rest 0644
     assert not list(zoo_dir.parent.glob(".tiny.tmp-*"))  # the temporary build dir is gone
     man = json.loads((zoo_dir / "manifest.json").read_text())
     assert man["seed"] == 0 and man["size"] == "test"

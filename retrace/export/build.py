@@ -187,6 +187,7 @@ def _validate(opts: BuildOptions):
     if opts.attention not in ("native", "decomposed"):
         raise BuildError(f"unknown attention form {opts.attention!r} (native or decomposed)")
     tcfg = Qwen3Config.from_dir(opts.target)
+    tokenizer_files(opts.target)  # before the export, not at the end
     if opts.max_seq_len is None:
         opts.max_seq_len = min(2048, tcfg.max_position_embeddings)
     if opts.max_seq_len < 2:
@@ -374,8 +375,22 @@ def _parity_note(p: dict) -> str:
     return "max |Δlogits| " + ", ".join(f"{k} {v['logits']:.1e}" for k, v in p["cases"].items())
 
 
-def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+def tokenizer_files(src: Path) -> list[str]:
+    """The target's tokenizer files to copy into the bundle. A symbolic link is followed only to a file inside
+    the target directory: one pointing elsewhere (merges.txt -> /etc/passwd) would put that file into the
+    bundle and every Triton repository made from it, so it is refused, named."""
     found = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    root = src.resolve()
+    for n in found:
+        real = (src / n).resolve()
+        if not real.is_relative_to(root):
+            raise BuildError(f"{src / n} is a symbolic link to {real}, outside the target directory {src}; refusing "
+                             "to copy it into the bundle (put the real tokenizer file in the target directory)")
+    return found
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    found = tokenizer_files(src)
     if found:
         dst.mkdir(parents=True, exist_ok=True)
         for n in found:

@@ -252,7 +252,7 @@ def convert_weights(hf: dict[str, torch.Tensor], target: Qwen3Config, dtype: tor
         out[dst + "mlp.proj.weight"] = take(src + "mlp.down_proj.weight")
         out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
         out[dst + "post_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
-    if target.tie_word_embeddings or "lm_head.weight" not in hf:
+    if "lm_head.weight" not in hf:  # tied; a tied config's own lm_head is used, as transformers does
         out["lm_head.weight"] = out["transformer.vocab_embedding.weight"].clone()
     else:
         out["lm_head.weight"] = hf["lm_head.weight"]

@@ -82,6 +82,22 @@ def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: 
                 t.copy_(tensors[k])
 
 
+def file_mode() -> int:
+    """The mode a plain open() gives a new file (0644 under the usual umask 022); mkstemp gives 0600."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def plain_modes(directory: Path) -> None:
+    """Give the files directly in `directory` the plain mode: writers that go through a temp file
+    (transformers' save_pretrained among them) leave model.safetensors 0600 beside 0644 files."""
+    mode = file_mode()
+    for p in Path(directory).iterdir():
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
     """Write a safetensors file via a temp file in the same directory and rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +105,7 @@ def atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: 
     os.close(fd)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -101,6 +118,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

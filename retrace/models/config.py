@@ -8,6 +8,7 @@ Both RoPE forms are read: transformers 4.x writes `rope_theta` at the top level,
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,21 +61,30 @@ def _require(cfg: dict, keys: list[str], path: Path) -> None:
         raise CheckpointError(f"{path}: missing required config keys {missing}")
 
 
+def _theta(v, key: str, path: Path) -> float:
+    """A RoPE base: a positive, finite number (not a string, not a bool)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise CheckpointError(f"{path}: {key}={v!r} must be a positive number")
+    return float(v)
+
+
 def parse_rope_theta(cfg: dict, path: Path, default: float | None = None) -> float:
+    """The RoPE base from either form. Scaled RoPE is refused in both (transformers merges a legacy
+    `rope_scaling` into `rope_parameters`, so a linear `rope_scaling` beside `rope_parameters` would apply)."""
     params = cfg.get("rope_parameters")
     scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise UnsupportedConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (only default RoPE)")
     if isinstance(params, dict) and params:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ("default", None):
             raise UnsupportedConfigError(f"{path}: rope_parameters.rope_type={rope_type!r} is not supported (only 'default')")
         if "rope_theta" in params:
-            return float(params["rope_theta"])
-    if isinstance(scaling, dict) and scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise UnsupportedConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (only default RoPE)")
+            return _theta(params["rope_theta"], "rope_parameters.rope_theta", path)
     if "rope_theta" in cfg:
-        return float(cfg["rope_theta"])
+        return _theta(cfg["rope_theta"], "rope_theta", path)
     if default is not None:
         return default
     raise CheckpointError(f"{path}: no RoPE theta (neither 'rope_theta' nor 'rope_parameters.rope_theta')")
@@ -119,15 +129,19 @@ class LayerConfig:
 
 def _layer_config(cfg: dict, path: Path, default_theta: float | None = None) -> LayerConfig:
     _require(cfg, ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps"], path)
-    heads = int(cfg["num_attention_heads"])
+    heads = _count(cfg, "num_attention_heads", path)
+    hidden = _count(cfg, "hidden_size", path)
+    eps = cfg["rms_norm_eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise CheckpointError(f"{path}: rms_norm_eps={eps!r} must be a positive number")
     lc = LayerConfig(
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        intermediate_size=_count(cfg, "intermediate_size", path),
+        num_hidden_layers=_count(cfg, "num_hidden_layers", path),
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        num_key_value_heads=_count(cfg, "num_key_value_heads", path, heads) if cfg.get("num_key_value_heads") else heads,
+        head_dim=_count(cfg, "head_dim", path) if cfg.get("head_dim") else hidden // heads,
+        rms_norm_eps=float(eps),
         rope_theta=parse_rope_theta(cfg, path, default_theta),
     )
     lc.validate(path)

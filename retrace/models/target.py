@@ -8,6 +8,7 @@ No transformers cache object is involved, so it exports to ONNX as is.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -17,6 +18,15 @@ from retrace.errors import CheckpointError
 from retrace.models.checkpoint import load_into, read_dir_tensors, weight_files, weights_location
 from retrace.models.config import Qwen3Config
 from retrace.models.layers import DecoderLayer, RMSNorm, lm_head, past_mask, rope_cos_sin
+
+
+def _tie_as_transformers(config: Qwen3Config, tensors: dict[str, torch.Tensor]) -> Qwen3Config:
+    """transformers' rule: `tie_word_embeddings: true` ties the LM head to the embedding unless the checkpoint
+    carries an lm_head.weight that differs from it; then that lm_head is used (untied), as here."""
+    head, emb = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and head is not None and emb is not None and not torch.equal(head, emb):
+        return dataclasses.replace(config, tie_word_embeddings=False)
+    return config
 
 
 class Qwen3Model(nn.Module):
@@ -47,14 +57,15 @@ class Qwen3Target(nn.Module):
         bad = [i for i in tap_layers if not 0 <= int(i) < config.num_hidden_layers]
         if bad:
             raise CheckpointError(f"{d}: tap layers {bad} do not exist in a {config.num_hidden_layers}-layer target")
+        files = weight_files(d)
+        tensors = read_dir_tensors(d, files)
+        config = _tie_as_transformers(config, tensors)
         with torch.device("meta"):
             model = cls(config, tap_layers)
         model = model.to_empty(device="cpu")
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        files = weight_files(d)
-        tensors = read_dir_tensors(d, files)
-        # Tied checkpoints may or may not carry lm_head.weight; an untied one must.
+        # Tied checkpoints may or may not carry lm_head.weight (a copy of the embedding); an untied one must.
         optional = ("lm_head.weight",) if config.tie_word_embeddings else ()
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)

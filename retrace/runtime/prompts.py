@@ -13,7 +13,8 @@ def read_prompts_jsonl(path: str | Path) -> list[dict]:
     """The objects of a prompt file; blank lines skipped; every error names the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise RetraceError(f"{p}: prompts file not found")
+        what = "is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "not found"
+        raise RetraceError(f"{p}: {what}; a prompts file is JSONL, one prompt object per line")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -21,12 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from retrace.errors import RetraceError
 from retrace.runtime.prompts import read_prompts_jsonl  # noqa: F401  (re-exported)
 
-STATE_DIR = "train_state"
+STATE_DIR = "train_state"  # the DFlash drafter's checkpoint
+CONDITIONER_STATE_DIR = "conditioner_state"  # the conditioner's, beside it (so neither overwrites the other)
 STATE_VERSION = 1
 
 
@@ -117,13 +119,14 @@ def _optim_tensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def save_train_state(out_dir: str | Path, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer | dict,
-                     step: int, info: dict, rng: dict[str, torch.Tensor] | None = None) -> Path:
+                     step: int, info: dict, rng: dict[str, torch.Tensor] | None = None,
+                     state: str = STATE_DIR) -> Path:
     """Atomically write `out_dir/train_state/` (see the module docstring). Returns its path. `opt`: the optimizer
     or its full state dict in torch's format (state keyed by parameter index; --fsdp gathers one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    final = out / STATE_DIR
-    tmp = out / f".{STATE_DIR}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    final = out / state
+    tmp = out / f".{state}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     tmp.mkdir()
     try:
         tensors = {f"param.{k}": v.detach().float().cpu().contiguous() for k, v in params.items()}
@@ -137,7 +140,7 @@ def save_train_state(out_dir: str | Path, params: dict[str, torch.Tensor], opt: 
         (tmp / "state.json").write_text(json.dumps(meta, indent=2) + "\n")
         old = None
         if final.exists():
-            old = out / f".{STATE_DIR}.old-{uuid.uuid4().hex[:6]}"
+            old = out / f".{state}.old-{uuid.uuid4().hex[:6]}"
             os.replace(final, old)
         os.replace(tmp, final)
         if old is not None:
@@ -148,46 +151,51 @@ def save_train_state(out_dir: str | Path, params: dict[str, torch.Tensor], opt: 
     return final
 
 
-def has_train_state(out_dir: str | Path) -> bool:
-    d = Path(out_dir) / STATE_DIR
+def has_train_state(out_dir: str | Path, state: str = STATE_DIR) -> bool:
+    d = Path(out_dir) / state
     return (d / "state.json").is_file() and (d / "state.safetensors").is_file()
 
 
-def read_train_state(out_dir: str | Path, names) -> tuple[int, dict, dict[str, torch.Tensor], dict, dict]:
+def read_train_state(out_dir: str | Path, names, state: str = STATE_DIR) -> tuple[int, dict, dict[str, torch.Tensor],
+                                                                                 dict, dict]:
     """Read a checkpoint whole: (step, info, {name: full parameter} for `names`, the optimizer state dict in
     torch's format, rng tensors by name incl. "torch"). Raises a RetraceError for a missing or foreign one."""
-    d = Path(out_dir) / STATE_DIR
-    if not has_train_state(out_dir):
-        raise RetraceError(f"{d}: no training checkpoint to resume from")
-    meta = json.loads((d / "state.json").read_text())
-    if meta.get("version") != STATE_VERSION:
-        raise RetraceError(f"{d}: training checkpoint version {meta.get('version')} (expected {STATE_VERSION})")
-    tensors = load_file(str(d / "state.safetensors"))
+    d = Path(out_dir) / state
+    meta = _read_meta(d)
+    try:
+        tensors = load_file(str(d / "state.safetensors"))
+    except (SafetensorError, OSError) as e:
+        raise RetraceError(f"{d / 'state.safetensors'}: cannot read the training checkpoint ({e}); is it truncated? "
+                           "start without --resume") from None
     missing = [k for k in names if f"param.{k}" not in tensors]
     if missing:
         raise RetraceError(f"{d}: checkpoint lacks parameters {missing[:5]} (different model or flags?)")
     om = meta["optimizer"]
-    state: dict[int, dict] = {}
-    for key, v in tensors.items():
-        if key.startswith("optim."):
-            _, idx, name = key.split(".", 2)
-            state.setdefault(int(idx), {})[name] = v
-    for key, v in om["scalars"].items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = v
-    groups = om["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
+    ostate: dict[int, dict] = {}
+    try:
+        for key, v in tensors.items():
+            if key.startswith("optim."):
+                _, idx, name = key.split(".", 2)
+                ostate.setdefault(int(idx), {})[name] = v
+        for key, v in om["scalars"].items():
+            idx, name = key.split(".", 1)
+            ostate.setdefault(int(idx), {})[name] = v
+        groups = om["param_groups"]
+        for g in groups:
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise RetraceError(f"{d}: the checkpoint's optimizer state is malformed ({type(e).__name__}: {e}); start "
+                           "without --resume") from None
     rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
-    return (int(meta["step"]), meta.get("info", {}), {k: tensors[f"param.{k}"] for k in names},
-            {"state": state, "param_groups": groups}, rng)
+    return (meta["step"], meta["info"], {k: tensors[f"param.{k}"] for k in names},
+            {"state": ostate, "param_groups": groups}, rng)
 
 
 def load_train_state(out_dir: str | Path, params: dict[str, torch.nn.Parameter],
-                     opt: torch.optim.Optimizer) -> tuple[int, dict, dict[str, torch.Tensor]]:
+                     opt: torch.optim.Optimizer, state: str = STATE_DIR) -> tuple[int, dict, dict[str, torch.Tensor]]:
     """Restore parameters and optimizer in place. Returns (step, info, extra rng tensors)."""
-    step, info, full, osd, rng = read_train_state(out_dir, list(params))
+    step, info, full, osd, rng = read_train_state(out_dir, list(params), state)
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(full[k].to(p.dtype))
@@ -196,8 +204,65 @@ def load_train_state(out_dir: str | Path, params: dict[str, torch.nn.Parameter],
     return step, info, rng
 
 
-def clear_train_state(out_dir: str | Path) -> None:
-    shutil.rmtree(Path(out_dir) / STATE_DIR, ignore_errors=True)
+def clear_train_state(out_dir: str | Path, state: str = STATE_DIR) -> None:
+    shutil.rmtree(Path(out_dir) / state, ignore_errors=True)
+
+
+def conditioner_state_dir(out_dir: str | Path) -> str:
+    """Where the conditioner's checkpoint in out_dir is: CONDITIONER_STATE_DIR, or STATE_DIR for one an older
+    retrace wrote there (it shared train_state/ with the drafter's, so a conditioner run overwrote that)."""
+    out = Path(out_dir)
+    if not has_train_state(out, CONDITIONER_STATE_DIR) and has_train_state(out):
+        try:
+            if json.loads((out / STATE_DIR / "state.json").read_text())["info"]["kind"] == "conditioner":
+                return STATE_DIR
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return CONDITIONER_STATE_DIR
+
+
+def _read_meta(d: Path) -> dict:
+    """state.json of the checkpoint d, checked: a JSON object of this version with an integer step >= 0."""
+    if not ((d / "state.json").is_file() and (d / "state.safetensors").is_file()):
+        raise RetraceError(f"{d}: no training checkpoint to resume from")
+    try:
+        meta = json.loads((d / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RetraceError(f"{d / 'state.json'}: not a readable training checkpoint ({e}); start without --resume") from None
+    if not isinstance(meta, dict) or meta.get("version") != STATE_VERSION:
+        v = meta.get("version") if isinstance(meta, dict) else None
+        raise RetraceError(f"{d / 'state.json'}: training checkpoint version {v!r} (expected {STATE_VERSION})")
+    step, info = meta.get("step"), meta.get("info")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise RetraceError(f"{d / 'state.json'}: step {step!r} is not a step count (an integer >= 0)")
+    if not isinstance(info, dict) or not isinstance(meta.get("optimizer"), dict):
+        raise RetraceError(f"{d / 'state.json'}: the checkpoint lacks its 'info' or 'optimizer' record")
+    return meta
+
+
+def check_resumable(out_dir: str | Path, kind: str, config_sha: str, max_step: int, state: str = STATE_DIR) -> int:
+    """Before any expensive work (the target's generation): the checkpoint state.json is whole and of this
+    trainer (`kind`), was made with these settings, and its step is within 0..max_step, and state.safetensors'
+    header is whole. Returns its step; raises a RetraceError saying what is wrong otherwise."""
+    d = Path(out_dir) / state
+    meta = _read_meta(d)
+    info, step = meta["info"], meta["step"]
+    if info.get("kind") != kind:
+        raise RetraceError(f"{d}: the training checkpoint is a {info.get('kind')!r} one, not {kind!r}; start "
+                           "without --resume")
+    if info.get("config_sha") != config_sha:
+        raise RetraceError(f"{out_dir}: the training checkpoint was made with different settings; "
+                           "start without --resume (or with the same flags)")
+    if step > max_step:
+        raise RetraceError(f"{d / 'state.json'}: step {step} is beyond this run's {max_step} steps; start without "
+                           "--resume (or with at least as many steps)")
+    try:
+        with safe_open(str(d / "state.safetensors"), "pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise RetraceError(f"{d / 'state.safetensors'}: cannot read the training checkpoint ({e}); is it truncated? "
+                           "start without --resume") from None
+    return step
 
 
 # -- data ---------------------------------------------------------------------------------------------------

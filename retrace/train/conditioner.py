@@ -291,6 +291,9 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     t_start = time.perf_counter()
     bf16 = (device.type == "cuda") if cfg.bf16 is None else cfg.bf16
     torch.manual_seed(cfg.seed)
+    state_dir = cm.conditioner_state_dir(out)
+    if resume and cm.has_train_state(out, state_dir):  # before any model is loaded or rolled out
+        cm.check_resumable(out, "conditioner", _sha(_resume_key(cfg)), cfg.phases * cfg.steps_per_phase, state_dir)
     dconf = DrafterConfig.from_dir(drafter_dir)
     target = load_target(target_dir, dconf.target_layer_ids, device, bf16)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, target, load_conditioner=not cfg.reinit,
@@ -341,11 +344,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     phase, step, history = 0, 0, []
     rng_name = "rounds" if d.rank == 0 else f"rounds.{d.rank}"
     rgen = torch.Generator().manual_seed(cfg.seed + 11 + 7919 * d.rank)
-    if resume and cm.has_train_state(out):
-        step, info, rng = fs.load_train_state(out, params, opt, model)
-        if info.get("kind") != "conditioner" or info.get("config_sha") != _sha(_resume_key(cfg)):
-            raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
-                               "start without --resume (or with the same flags)")
+    if resume and cm.has_train_state(out, state_dir):
+        step, info, rng = fs.load_train_state(out, params, opt, model, state_dir)
         phase, history = info["phase"], info.get("history", [])
         if info.get("world_size", 1) == d.world:
             rgen.set_state(rng[rng_name])
@@ -360,7 +360,7 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
             info = {"kind": "conditioner", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
                     "phase": phase_now, "world_size": d.world, "fsdp": fs.is_sharded(model), "history": history}
             rng = {("rounds" if r == 0 else f"rounds.{r}"): st for r, st in enumerate(states)}
-            cm.save_train_state(out, full, full_opt, step, info, rng=rng)
+            cm.save_train_state(out, full, full_opt, step, info, rng=rng, state=state_dir)
             if cfg.unfreeze_drafter:  # the full weights (gathered under --fsdp)
                 drafter.save_pretrained(out, tensors=full)
             else:

@@ -36,11 +36,25 @@ def _datasets():
 
 def _load(kind: str, files: list[str]) -> list[dict]:
     ds = _datasets()
+    if kind == "parquet":  # datasets fails on a valid file of 0 rows ("cannot read"): say what it is
+        files = [f for f in files if _parquet_rows(f) != 0]
+        if not files:
+            return []
     try:
         d = ds.load_dataset(kind, data_files=files, split="train", keep_in_memory=True)
     except Exception as e:  # noqa: BLE001 - datasets / pyarrow raise many exception types for bad files
         raise RetraceError(f"{files[0]}: cannot read as {kind} ({type(e).__name__}: {str(e)[:200]})") from None
     return d.to_list()
+
+
+def _parquet_rows(path: str) -> int | None:
+    """The row count in a Parquet file's footer (None when it is not readable as Parquet)."""
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # noqa: BLE001 - not Parquet: load_dataset then names the problem
+        return None
 
 
 def _is_saved_dataset(p: Path) -> bool:

@@ -12,7 +12,6 @@ embedding makes all block slots identical). Writes the z-lab checkpoint format.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import time
@@ -226,7 +225,10 @@ def prepare_prompts(target_dir, data: str | Path, max_prompt_len: int, num: int 
         ids = dio.chat_prompts(rows, target_dir, str(data))
     else:
         ids = dio.plain_prompts(rows, TextCodec.find(target_dir), str(data))
-    ids = [p[-max_prompt_len:] for p in ids if p]
+    kept = [p[-max_prompt_len:] for p in ids if p]
+    if not kept:
+        raise RetraceError(f"{data}: all {len(ids)} prompts are empty (no tokens); training needs non-empty prompts")
+    ids = kept
     if num is not None:
         ids = ids[:num]
     tr, va = cm.split_validation(len(ids), val, seed)
@@ -421,11 +423,8 @@ def train_dflash(target_dir: str | Path, out_dir: str | Path, data: str | Path, 
 
     cfg = cfg or DFlashConfig()
     with dist.session(cfg.device) as (d, device):
-        d.main_first(lambda: outputs.prepare_dflash_out(Path(out_dir), force, resume))
-        guard = outputs.report_interrupt(Path(out_dir)) if d.is_main else contextlib.nullcontext()
-        with guard, cm.torch_threads(cfg.threads):
-            return _train_dflash(Path(target_dir), Path(out_dir), Path(data), cfg, resume, progress and d.is_main,
-                                 d, device)
+        with outputs.dflash_out(Path(out_dir), force, resume, d) as work, cm.torch_threads(cfg.threads):
+            return _train_dflash(Path(target_dir), work, Path(data), cfg, resume, progress and d.is_main, d, device)
 
 
 def data_streams(usable: list[int], n_train: int, streams: int, where) -> list[list[int]]:
@@ -451,12 +450,19 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     bf16 = (device.type == "cuda") if cfg.bf16 is None else cfg.bf16
     if cfg.batch_size < 1 or cfg.grad_accum < 1:
         raise RetraceError(f"--batch-size ({cfg.batch_size}) and --grad-accum ({cfg.grad_accum}) must be positive")
+    if resume and cm.has_train_state(out):  # before the target generates anything or train_data/ is touched
+        cm.check_resumable(out, "dflash", _sha(_resume_key(cfg)), cfg.steps)
     torch.manual_seed(cfg.seed)
     tconf = Qwen3Config.from_dir(target_dir)
     mask_id = find_mask_token_id(target_dir, tconf.vocab_size, cfg.mask_token_id)
     dconf = new_drafter_config(types.SimpleNamespace(config=tconf), num_layers=cfg.num_layers,
                                block_size=cfg.block_size, mask_token_id=mask_id,
                                target_layer_ids=cfg.target_layer_ids, intermediate_size=cfg.intermediate_size)
+    taps = list(dconf.target_layer_ids)
+    if cfg.target_layer_ids is None and not all(0 <= i < tconf.num_hidden_layers for i in taps):
+        raise RetraceError(f"--layers {cfg.num_layers}: z-lab's default taps for a {cfg.num_layers}-layer drafter "
+                           f"({taps}: evenly spaced over layers 1..n-3) do not fit this {tconf.num_hidden_layers}-layer "
+                           "target; pass --target-layer-ids (one target layer per tap) or use fewer --layers")
     target = load_target(target_dir, dconf.target_layer_ids, device, bf16)
     mask_info = mask_row_check(target, mask_id)
     if mask_info["ratio"] < 0.1:
@@ -569,9 +575,6 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     step, history = 0, []
     if resume and cm.has_train_state(out):
         step, info, rng = fs.load_train_state(out, params, opt, model)
-        if info.get("kind") != "dflash" or info.get("config_sha") != _sha(_resume_key(cfg)):
-            raise RetraceError(f"{out}: the training checkpoint was made with different settings; "
-                               "start without --resume (or with the same flags)")
         saved = info.get("streams") or [[info["epoch"], info["cursor"]]]
         if len(saved) == S:
             for s in range(S):

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from retrace.errors import RetraceError
+from retrace.models.checkpoint import plain_modes
 from retrace.output_dir import staged_output
 
 META = "draft_ar.json"
@@ -197,6 +198,7 @@ def train_draft_ar(target_dir: str | Path, out_dir: str | Path, data: str | Path
         with staged_output(out, "draft-ar", force=True, what="AR draft model") as tmp:
             draft.generation_config = target.generation_config
             draft.save_pretrained(str(tmp), safe_serialization=True)
+            plain_modes(tmp)
             for f in TOKENIZER_FILES:
                 if (target_dir / f).is_file():
                     shutil.copy2(target_dir / f, tmp / f)

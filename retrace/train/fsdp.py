@@ -95,20 +95,20 @@ def gather_train_state(model, params: dict[str, torch.nn.Parameter], opt: torch.
 
 
 def load_train_state(out_dir: str | Path, params: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer,
-                     model) -> tuple[int, dict, dict[str, torch.Tensor]]:
+                     model, state: str = cm.STATE_DIR) -> tuple[int, dict, dict[str, torch.Tensor]]:
     """`common.load_train_state`, also under --fsdp: every rank reads the full checkpoint and keeps its shards."""
     if not is_sharded(model):
-        return cm.load_train_state(out_dir, params, opt)
+        return cm.load_train_state(out_dir, params, opt, state)
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    step, info, full, osd, rng = cm.read_train_state(out_dir, list(params))
+    step, info, full, osd, rng = cm.read_train_state(out_dir, list(params), state)
     order, name = _order(model, params, opt)
     if len(osd["state"]) > len(order) or any(i >= len(order) for i in osd["state"]):
-        raise RetraceError(f"{Path(out_dir) / cm.STATE_DIR}: the optimizer state has other parameters than this model")
+        raise RetraceError(f"{Path(out_dir) / state}: the optimizer state has other parameters than this model")
     o = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, {f: full[name[f]] for f in order}, options=StateDictOptions(full_state_dict=True,
                                                                                              strict=False))

@@ -37,6 +37,8 @@ if "torch" not in sys.modules:
 
 import torch  # noqa: E402
 
+from retrace.models.checkpoint import plain_modes  # noqa: E402
+
 
 @dataclass(frozen=True)
 class TargetPreset:
@@ -450,6 +452,7 @@ def save_target(model, out_dir: str | Path, eos_id: int = 0, pad_id: int = 1) ->
     hf_logging.disable_progress_bar()  # transformers' "Writing model shards" bar: noise, even under --quiet
     try:
         model.save_pretrained(str(out_dir), safe_serialization=True)
+        plain_modes(out_dir)
     finally:
         if bar:
             hf_logging.enable_progress_bar()

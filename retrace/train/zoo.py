@@ -238,7 +238,7 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
         ccfg = ConditionerConfig(seed=seed, device="cpu", threads=1, chat=True, **preset["conditioner"])
         cmet = train_conditioner(tmp / "target", tmp / "drafter", data, None, ccfg, progress=progress)
         timings["conditioner_s"] = round(time.perf_counter() - t0, 2)
-        for junk in ("train_state", "train_data"):
+        for junk in ("train_state", "conditioner_state", "train_data"):
             shutil.rmtree(tmp / "drafter" / junk, ignore_errors=True)
 
         # 4. evaluation on the held-out prompts (both domains interleaved)
