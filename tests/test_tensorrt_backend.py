@@ -282,3 +282,20 @@ def test_one_stream_reused_outputs_and_host_copies(monkeypatch, tmp_path):
     assert ptrs["logits"] == be.engines["target"].context.ptrs["logits"]  # the same output buffer
     assert ptrs["new_key_0"] == be.engines["target"].context.ptrs["new_key_0"]
     assert first[0, 0, 0] == 8 and second[0, 0, 0] == 9  # the first result survived the second call
+
+
+def test_from_bundle_reads_the_configs_from_the_manifest(monkeypatch, tmp_path):
+    """`retrace-export build --backend tensorrt` bundles keep only ONNX files in target/ and drafter/: the
+    backend takes the configs from the manifest, as the ONNX Runtime backend does."""
+    from export_fixtures import pair_and_bundle
+
+    from retrace.engines.bundle import Bundle
+    from retrace.runtime.bundle_configs import bundle_configs
+
+    built = pair_and_bundle()
+    assert not (built.bundle / "target" / "config.json").exists()
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_trt([]))
+    be = tb.TensorRTBackend.from_bundle(built.bundle, engine_dir=_engine_dir(tmp_path, drafter=True), device="cpu",
+                                        verify=False)
+    target, drafter = bundle_configs(Bundle.open(built.bundle, verify_hashes=False))
+    assert be.target_config == target and be.drafter_config == drafter and drafter is not None

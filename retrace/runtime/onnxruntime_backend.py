@@ -33,7 +33,6 @@ device (on CUDA for fp16 / bf16 graphs: ONNX Runtime's CUDA GroupQueryAttention 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -41,9 +40,9 @@ import torch
 
 from retrace.engines.bundle import Bundle, BundleError
 from retrace.errors import MissingDependencyError, RetraceError
-from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
+from retrace.runtime.bundle_configs import bundle_configs
 from retrace.runtime.kv_inplace import BIAS, to_inplace_kv, tree_bias
 from retrace.runtime.lm_head_split import (
     EXTERNAL_FOLDER_KEY,
@@ -195,18 +194,7 @@ class OnnxRuntimeBackend:
         self.max_batch = _limit("max_batch", max_batch, limits.get("max_batch"), bundle.root)
         self.max_seq_len = _limit("max_seq_len", max_seq_len, limits.get("max_seq_len"), bundle.root)
         tm = bundle.model("target")
-        if tm is None or bundle.graph("target") is None:
-            raise BundleError(f"{bundle.root}: bundle has no target model")
-        where = bundle.root / "manifest.json"
-        self.target_config = Qwen3Config.from_dict(tm["config"], where, tm.get("generation_config"))
-        if tm.get("eos_token_ids") is not None:
-            self.target_config = dataclasses.replace(self.target_config, eos_token_ids=tuple(tm["eos_token_ids"]))
-        dm = bundle.model("drafter")
-        self.drafter_config = None
-        if dm is not None:
-            dc = DrafterConfig.from_dict(dm["config"], where)
-            block = int(limits.get("block_size") or dc.block_size)
-            self.drafter_config = dataclasses.replace(dc, block_size=block)
+        self.target_config, self.drafter_config = bundle_configs(bundle)
         self.has_conditioner = bundle.model("conditioner") is not None
 
         if threads:

@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
+from retrace.engines.bundle import Bundle
 from retrace.errors import RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.plugins.errors import RetraceMissingDependency, require_tensorrt
+from retrace.runtime.bundle_configs import bundle_configs
 from retrace.runtime.torch_backend import KVCache
 
 ENGINE_SUBDIR = "tensorrt"
@@ -207,13 +209,19 @@ class TensorRTBackend:
                     target_subdir: str = "target", drafter_subdir: str = "drafter",
                     max_batch: int | None = None, max_seq_len: int | None = None, threads: int | None = None,
                     verify: bool | None = None) -> TensorRTBackend:
-        """The plans' profiles fix the limits: max_batch / max_seq_len / threads / verify are accepted for
-        interface compatibility with the other bundle backends (the CLI passes them) and otherwise ignored."""
+        """The configs come from the bundle's manifest (`retrace-export build --backend tensorrt` writes the
+        plans into BUNDLE/tensorrt; its graph directories hold only ONNX files), or, for a directory
+        without a manifest, from `target_subdir` / `drafter_subdir` config.json files. The plans' profiles
+        fix the limits: max_batch / max_seq_len / threads are accepted for interface compatibility with
+        the other bundle backends (the CLI passes them) and otherwise ignored; verify=False skips hashing."""
         require_tensorrt("The TensorRT backend")  # before anything else: one clear message
         bundle = Path(bundle_dir)
-        target_config = Qwen3Config.from_dir(bundle / target_subdir)
-        drafter_dir = bundle / drafter_subdir
-        drafter_config = DrafterConfig.from_dir(drafter_dir) if (drafter_dir / "config.json").is_file() else None
+        if (bundle / "manifest.json").is_file():
+            target_config, drafter_config = bundle_configs(Bundle.open(bundle, verify_hashes=verify is not False))
+        else:
+            target_config = Qwen3Config.from_dir(bundle / target_subdir)
+            drafter_dir = bundle / drafter_subdir
+            drafter_config = DrafterConfig.from_dir(drafter_dir) if (drafter_dir / "config.json").is_file() else None
         return cls(engine_dir or bundle / ENGINE_SUBDIR, target_config, drafter_config, device)
 
     # -- Backend protocol ----------------------------------------------------------------------------------
