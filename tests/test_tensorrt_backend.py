@@ -216,6 +216,12 @@ def test_target_calls_bind_profiles_and_caches(monkeypatch, tmp_path):
     assert torch.equal(k1[0, 0, :4, 0], torch.tensor([100.0, 101, 102, 103], dtype=torch.float16))
     assert torch.equal(k1[1, 0, :8, 0], torch.tensor([100.0, 101, 102, 103, 104, 105, 106, 107],
                                                      dtype=torch.float16))
+    # scattered slots: their first max(past_len) positions gathered (P = 8), not the whole caches
+    calls.clear()
+    be.target(torch.tensor([0, 3]), torch.tensor([[1], [2]]), torch.tensor([[4], [8]]), torch.tensor([[0], [0]]))
+    _, _, p_len, past = calls[1]
+    assert p_len == 8 and torch.equal(past[0, 0, :4, 0], torch.tensor([0.0, 1, 2, 3], dtype=torch.float16))
+    assert k1[3, 0, 8, 0] == 108 and k1[0, 0, 4, 0] == 104
 
 
 def test_draft_calls_feed_suffix_or_identity(monkeypatch, tmp_path):

@@ -13,6 +13,7 @@ from runtime_fixtures import LinearCost, write_pair
 from retrace.export import tensorrt as te
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime import tensorrt_backend as tb
+from retrace.runtime.backend import contiguous_range
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.torch_backend import TorchBackend
 from retrace.runtime.verify_policy import AdaptivePolicy
@@ -31,22 +32,23 @@ class RecordingBackend:
             setattr(self, attr, getattr(inner, attr))
         self.calls: list[tuple[str, dict]] = []
 
-    def _past(self, graph: str, n: int, past_len: torch.Tensor) -> tuple[int, ...]:
+    def _past(self, graph: str, slots: torch.Tensor, past_len: torch.Tensor) -> tuple[int, ...]:
         c = (self.target_config if graph == "target" else self.drafter_config).layers
-        return n, c.num_key_value_heads, tb.bound_past(int(past_len.max()), self.max_seq_len), c.head_dim
+        p = tb.bound_past(int(past_len.max()), self.max_seq_len, contiguous_range(slots) is not None)
+        return slots.numel(), c.num_key_value_heads, p, c.head_dim
 
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         n, t = input_ids.shape
         self.calls.append(("target", {"input_ids": (n, t), "position_ids": (n, t), "past_len": (n,),
                                       "logits_index": tuple(logits_index.shape),
-                                      "past_key_0": self._past("target", n, positions[:, 0])}))
+                                      "past_key_0": self._past("target", slots, positions[:, 0])}))
         return self.inner.target(slots, input_ids, positions, logits_index, tree_mask)
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
         n, c = ctx_positions.shape
         self.calls.append(("drafter", {"ctx_taps": tuple(ctx_taps.shape), "ctx_positions": (n, c),
                                        "block_ids": tuple(block_ids.shape), "past_len": (n,),
-                                       "past_key_0": self._past("drafter", n, ctx_positions[:, 0])}))
+                                       "past_key_0": self._past("drafter", slots, ctx_positions[:, 0])}))
         return self.inner.draft(slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix)
 
     def commit_path(self, slots, src_index, dst_pos):

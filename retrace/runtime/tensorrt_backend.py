@@ -9,10 +9,10 @@ stream work, and the one clear error when tensorrt (or a CUDA GPU) is missing.
 
 Engine directory (default `<bundle>/tensorrt`): `target.plan`, `drafter.plan`, `tensorrt.json`
 (profiles, I/O names, limits). K/V caches are preallocated on the GPU per slot, [max_batch, Hkv,
-max_seq_len, hd] per layer, indexed by absolute position (docs/INTERFACES.md). A call with a past
-binds its slots' whole caches as the past (`bound_past`: P = max_seq_len; a contiguous slot range is
-a view, so nothing is copied; the graph masks entries at or beyond each row's past_len), a prefill
-binds an empty past (P = 0); the K/V of the new tokens land in reusable output buffers and are
+max_seq_len, hd] per layer, indexed by absolute position (docs/INTERFACES.md). A call with a past on
+a contiguous slot range binds those slots' whole caches as the past (`bound_past`: P = max_seq_len,
+views, so nothing is copied; the graph masks entries at or beyond each row's past_len); scattered
+slots gather their first max(past_len) positions; a prefill binds an empty past (P = 0); the K/V of the new tokens land in reusable output buffers and are
 written at their positions. Every device operation of a call (input uploads, the run, the cache
 write, the downloads) is issued on the backend's one CUDA stream, so TensorRT never reads a feed
 that another stream is still writing. Tensors cross the interface on the CPU, as the Backend protocol
@@ -32,6 +32,7 @@ from retrace.engines.bundle import Bundle
 from retrace.errors import RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.plugins.errors import RetraceMissingDependency, require_tensorrt
+from retrace.runtime.backend import contiguous_range
 from retrace.runtime.bundle_configs import bundle_configs
 from retrace.runtime.torch_backend import KVCache
 
@@ -40,9 +41,10 @@ ENGINE_MANIFEST = "tensorrt.json"
 GPU_MACHINE = "a Linux machine with an NVIDIA GPU and a CUDA driver"
 
 
-def bound_past(max_past: int, max_seq_len: int) -> int:
-    """The past length P a call binds: 0 for a prefill, else the whole cache (views, no prefix copy)."""
-    return 0 if max_past == 0 else max_seq_len
+def bound_past(max_past: int, max_seq_len: int, contiguous: bool = True) -> int:
+    """The past length P a call binds: 0 for a prefill; the whole cache for a contiguous slot range (views,
+    no prefix copy); the longest past for scattered slots (those are gathered: only what is read)."""
+    return 0 if max_past == 0 else max_seq_len if contiguous else max_past
 
 
 def pick_profile(profile_shapes: list[dict[str, list]], shapes: dict[str, tuple[int, ...]]) -> int:
@@ -200,6 +202,9 @@ class TensorRTBackend:
         """The context every device op of a call runs in: the backend's stream (nothing on a CPU device)."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
+    def _past_length(self, slots: torch.Tensor, past_len: torch.Tensor) -> int:
+        return bound_past(int(past_len.max()), self.max_seq_len, contiguous_range(slots) is not None)
+
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """A float32 host copy (outputs are reused buffers; on the stream, the copy waits for the run)."""
         return t.to("cpu", torch.float32, copy=True)
@@ -235,7 +240,7 @@ class TensorRTBackend:
             slots_d = slots.to(self.device)
             feeds = {"input_ids": input_ids, "position_ids": positions, "past_len": past_len,
                      "logits_index": logits_index,
-                     **cache.feeds(slots_d, bound_past(int(past_len.max()), self.max_seq_len))}
+                     **cache.feeds(slots_d, self._past_length(slots, past_len))}
             out = eng.run(feeds, self.stream)
             cache.write(slots_d, positions.to(self.device), [out[n] for n in eng.kv_names("new_key")],
                         [out[n] for n in eng.kv_names("new_value")])
@@ -253,7 +258,7 @@ class TensorRTBackend:
         past_len = ctx_positions[:, 0]
         feeds = {"ctx_taps": ctx_taps, "ctx_positions": ctx_positions, "block_ids": block_ids,
                  "block_positions": block_positions, "past_len": past_len,
-                 **cache.feeds(slots_d, bound_past(int(past_len.max()), self.max_seq_len))}
+                 **cache.feeds(slots_d, self._past_length(slots, past_len))}
         if self.has_conditioner:
             n, b = block_ids.shape
             if suffix is None:  # no memory: valid == 0 everywhere makes the fusion the identity (DFlash)
