@@ -5,6 +5,9 @@
 #   (or env GC_TARGET_S, GC_DFLASH_S, GC_COND_S, GC_EVAL_PROMPTS, GC_HEADROOM_PROMPTS, GC_KERNELS_TIMEOUT).
 # Installs nothing into the machine's torch: retrace runs from this checkout (PYTHONPATH), and only the carried
 # wheels in .whl/ whose distribution is missing or too old (always transformers) go to a private --target dir.
+# Sections: environment, parity, kernels, scale, ort_cuda (ONNX Runtime's CUDA provider: skipped without
+# onnxruntime-gpu), tensorrt (TensorRT plans built and run: skipped without tensorrt); each engine section
+# reports what ran and token-exactness against the torch backend on the device.
 # Writes OUTDIR/gpu_check.json (rewritten after every section) and OUTDIR/gpu_check.md.
 # Exit 0 when the JSON was written (failed sections are recorded in it), nonzero otherwise.
 set -u

@@ -2,6 +2,8 @@
 
 The carried pair is a random tiny pair (with a random conditioner) and its CPU reference is made here, so
 the parity section must find identical outputs for every mode, and bf16 dflash/retrace must equal bf16 AR.
+The engine sections: `ort_cuda` runs the bundle on the CPU provider (the IO-binding code of the CUDA one)
+token-exact against the torch backend; `tensorrt` is skipped, saying what is missing.
 """
 
 from __future__ import annotations
@@ -51,5 +53,12 @@ def test_gpu_check_dry_run(tmp_path):
     assert sc["lossless"]["retrace_equals_ar"] and sc["lossless"]["dflash_equals_ar"]
     assert sc["tau_T0"]["outputs_equal"] and sc["tau_T0"]["paired"]["n"] == sc["config"]["eval_prompts"]
     assert "oracle_mem" in sc["headroom"]["tau_B"]
-    assert (out / "gpu_check.md").read_text().startswith("# gpu_check")
+    eng = data["sections"]["ort_cuda"]
+    assert eng["status"] == "ok", (eng.get("error"), eng.get("traceback"))
+    assert eng["result"]["ran"]["float32"]["providers"] == ["CPUExecutionProvider"]  # the CPU provider stands in
+    assert eng["result"]["token_exact"] == {"float32": True}  # the bundle's outputs are the torch backend's
+    trt = data["sections"]["tensorrt"]
+    assert trt["status"] == "skipped" and "pip install tensorrt" in trt["reason"]  # no TensorRT on this machine
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# gpu_check") and "## ort_cuda" in md and "| tensorrt | skipped |" in md
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md"]  # the scratch is elsewhere

@@ -74,11 +74,16 @@ def test_another_attention_form_is_left_alone_and_explicit_inplace_refuses(backe
         OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace")
 
 
-def test_inplace_is_cpu_only(backends):
+def test_inplace_needs_the_caches_on_the_providers_device(backends):
+    """The in-place form shares the caches with the operator: they must sit on the first provider's device
+    (with CUDA first, on the GPU through a CUDA torch, which this machine lacks: one clear error)."""
     built, _, _ = backends
-    with pytest.raises(RetraceError, match="CPU execution provider only"):
-        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace",
-                                       providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    cuda_first = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    with pytest.raises(RetraceError, match="torch.cuda.is_available\\(\\) is False.*device='cpu'"):
+        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, providers=cuda_first)
+    with pytest.raises(RetraceError, match="the K/V caches live on cpu, not on CUDAExecutionProvider's device"):
+        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace", providers=cuda_first,
+                                       device="cpu")
 
 
 def test_an_onnxruntime_without_the_operator_falls_back_to_the_portable_graph(backends, monkeypatch):

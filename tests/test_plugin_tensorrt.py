@@ -1,15 +1,15 @@
 """TensorRT plugin definitions, tested without TensorRT: the clear missing-dependency error, the
 tactic and type tables, the launch grid, and the registered descriptor / autotune / AOT functions
-driven through a minimal stand-in of `tensorrt.plugin` that records what `register()` defines. The
-AOT functions really run `triton.compile` (PTX for sm_90, no GPU needed)."""
+driven through a stand-in of `tensorrt.plugin` (tests/trt_standin.py) that validates each decorated
+function as TensorRT does and records what `register()` defines. The AOT functions really run
+`triton.compile` (PTX for sm_90, no GPU needed). No `from __future__ import annotations` in this file:
+TensorRT validates annotation objects, and postponed annotations would be strings."""
 
-from __future__ import annotations
-
-import math
 import sys
 import types
 
 import pytest
+import trt_standin
 
 from retrace.plugins import tensorrt_plugin as tp
 from retrace.plugins import triton_kernel as tk
@@ -62,58 +62,13 @@ def test_launch_grid():
     assert tk.launch_grid(17, 65, t) == (2, 2)
 
 
-# ---- a minimal recording stand-in for tensorrt / tensorrt.plugin ----
+# ---- a stand-in for tensorrt / tensorrt.plugin that validates like TensorRT (tests/trt_standin.py) ----
+
+_Desc = trt_standin.TensorDesc
 
 
-class _Shape(list):
-    def numel(self):
-        return math.prod(self)
-
-
-class _Desc:
-    def __init__(self, shape, dtype):
-        self.shape_expr = _Shape(shape)
-        self.dtype = dtype
-
-    @property
-    def ndim(self):
-        return len(self.shape_expr)
-
-    def like(self):
-        return _Desc(list(self.shape_expr), self.dtype)
-
-
-class _Launch:
-    pass
-
-
-def _fake_tensorrt():
-    trt = types.ModuleType("tensorrt")
-    trt.__version__ = "10.13.0"
-    trt.Builder = object
-    trt.float32, trt.float16, trt.bfloat16 = "FLOAT", "HALF", "BF16"
-    trtp = types.ModuleType("tensorrt.plugin")
-    trtp.defined = {}
-
-    def recorder(kind):
-        def deco_factory(plugin_id):
-            def deco(fn):
-                trtp.defined[(kind, plugin_id)] = fn
-                return fn
-            return deco
-        return deco_factory
-
-    for kind in ("register", "autotune", "impl", "aot_impl"):
-        setattr(trtp, kind, recorder(kind))
-    trtp.TensorDesc = _Desc
-    trtp.from_shape_expr = lambda shape, dtype: _Desc(list(shape), dtype)
-    trtp.cdiv = lambda a, b: -(-a // b)
-    trtp.KernelLaunchParams = _Launch
-    trtp.SymInt32 = lambda v: ("i32", v)
-    trtp.SymIntExprs = types.SimpleNamespace(from_tuple=list)
-    trtp.AutoTuneCombination = lambda types_, layouts, tactics: (types_, layouts, tactics)
-    trt.plugin = trtp
-    return trt, trtp
+def _fake_tensorrt(version: str = "10.14.1"):
+    return trt_standin.make_tensorrt(version)
 
 
 @pytest.fixture
@@ -126,6 +81,51 @@ def fake_trt(monkeypatch):
     tp.register()
     tp.register()  # idempotent
     return trt, trtp
+
+
+def test_standin_refuses_what_tensorrt_refuses():
+    """The stand-in's validation is TensorRT's: an aot_impl without its return annotation (the defect the
+    plugins had) or with a parameter list off the schema fails when the decorator is applied."""
+    trt, trtp = _fake_tensorrt()
+    D = trtp.TensorDesc
+
+    @trtp.register("demo::Op")
+    def desc(x: D, scale: float) -> D:
+        return x.like()
+
+    def no_return(x: D, scale: float, outputs: tuple[D], tactic: int):
+        return None
+
+    with pytest.raises(ValueError, match="No return annotation found for aot_impl function"):
+        trtp.aot_impl("demo::Op")(no_return)
+
+    def wrong_order(scale: float, x: D, outputs: tuple[D], tactic: int) -> tuple[str, str, trtp.KernelLaunchParams,
+                                                                                 trtp.SymIntExprs]:
+        return None
+
+    with pytest.raises(ValueError, match="does not match the expected input arg schema"):
+        trtp.aot_impl("demo::Op")(wrong_order)
+    with pytest.raises(ValueError, match="does not have a type annotation"):
+        trtp.register("demo::Bad")(lambda x: x)
+
+    def ok(x: D, scale: float, outputs: tuple[D], tactic: int) -> tuple[str | bytes, str | bytes,
+                                                                         trtp.KernelLaunchParams, trtp.SymIntExprs]:
+        return None
+
+    assert trtp.aot_impl("demo::Op")(ok) is ok
+
+
+@pytest.mark.parametrize("version", ["10.8.0", "10.7.0.23"])
+def test_register_needs_tensorrt_10_9(monkeypatch, version):
+    """aot_impl / KernelLaunchParams / SymIntExprs arrived in 10.9: an older TensorRT is one clear error."""
+    trt, trtp = _fake_tensorrt(version)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.setattr(tp, "_registered", False)
+    with pytest.raises(RetraceMissingDependency) as info:
+        tp.register()
+    assert "pip install 'tensorrt>=10.9'" in str(info.value) and f"found tensorrt {version}" in str(info.value)
+    assert not trtp.defined  # refused before anything was defined
 
 
 def test_registered_definitions(fake_trt):

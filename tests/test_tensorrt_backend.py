@@ -198,23 +198,30 @@ def test_target_calls_bind_profiles_and_caches(monkeypatch, tmp_path):
     assert torch.equal(be.caches["target"].v[0][1, 0, :3, 0], -torch.tensor([0.0, 1, 2], dtype=torch.float16))
     assert not k1[0].any()  # other slots untouched
 
-    # decode one token: the past (P = 3) is what the prefill wrote
+    # decode one token: the slot's whole cache is bound as the past (P = max_seq_len, a view: no copy)
     calls.clear()
     be.target(torch.tensor([1]), torch.tensor([[10]]), torch.tensor([[3]]), torch.tensor([[0]]))
     assert calls[0] == ("profile", 2)
     _, ids_shape, p_len, past = calls[1]
-    assert ids_shape == (1, 1) and p_len == 3
-    assert torch.equal(past[0, 0, :, 0], torch.tensor([0.0, 1, 2], dtype=torch.float16))
+    assert ids_shape == (1, 1) and p_len == 256
+    assert torch.equal(past[0, 0, :3, 0], torch.tensor([0.0, 1, 2], dtype=torch.float16))
+    assert be.engines["target"].context.ptrs["past_key_0"] == be.caches["target"].k[0][1].data_ptr()
 
     # a batch of two slots verifying 4 tokens at different positions: P = max(past_len)
     calls.clear()
     be.target(torch.tensor([0, 1]), torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]),
               torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]]))
     assert calls[0] == ("profile", 1)
-    assert calls[1][1:3] == ((2, 4), 4)
+    assert calls[1][1:3] == ((2, 4), 256)
     assert torch.equal(k1[0, 0, :4, 0], torch.tensor([100.0, 101, 102, 103], dtype=torch.float16))
     assert torch.equal(k1[1, 0, :8, 0], torch.tensor([100.0, 101, 102, 103, 104, 105, 106, 107],
                                                      dtype=torch.float16))
+    # scattered slots: their first max(past_len) positions gathered (P = 8), not the whole caches
+    calls.clear()
+    be.target(torch.tensor([0, 3]), torch.tensor([[1], [2]]), torch.tensor([[4], [8]]), torch.tensor([[0], [0]]))
+    _, _, p_len, past = calls[1]
+    assert p_len == 8 and torch.equal(past[0, 0, :4, 0], torch.tensor([0.0, 1, 2, 3], dtype=torch.float16))
+    assert k1[3, 0, 8, 0] == 108 and k1[0, 0, 4, 0] == 104
 
 
 def test_draft_calls_feed_suffix_or_identity(monkeypatch, tmp_path):
@@ -242,6 +249,59 @@ def test_draft_calls_feed_suffix_or_identity(monkeypatch, tmp_path):
     calls.clear()
     hidden, _ = be.draft(torch.tensor([2, 3]), torch.zeros(2, 3, KD), torch.tensor([[5, 6, 7], [5, 6, 7]]),
                          block_ids, block_pos + 3, suffix)
-    assert calls[0] == ("profile", 1) and calls[1][2] == 5  # verify-sized context, P = 5
+    assert calls[0] == ("profile", 1) and calls[1][2] == 256  # verify-sized context, the whole past bound
     assert torch.equal(hidden[:, :, 0], 2.0 + valid)
     assert torch.equal(be.caches["drafter"].k[0][2, 0, :8, 0], torch.arange(8, dtype=torch.float16))
+
+
+def test_one_stream_reused_outputs_and_host_copies(monkeypatch, tmp_path):
+    """Every device op of a call (uploads, the run, the cache write, downloads) is issued inside the
+    backend's stream context; outputs land in reused buffers (no allocation per call) and the loop gets
+    host copies that a later call does not overwrite."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_trt(calls))
+    be = tb.TensorRTBackend(_engine_dir(tmp_path), target_config=None, device="cpu")
+    inside = []
+
+    class Recording:
+        def __enter__(self):
+            calls.append("enter")
+            inside.append(True)
+
+        def __exit__(self, *exc):
+            calls.append("exit")
+            inside.pop()
+
+    monkeypatch.setattr(be, "_on_stream", Recording)
+    cache_write = be.caches["target"].write
+
+    def write(*args):
+        calls.append(("write", bool(inside)))
+        cache_write(*args)
+
+    monkeypatch.setattr(be.caches["target"], "write", write)
+    first, _ = be.target(torch.tensor([0]), torch.tensor([[7, 8]]), torch.tensor([[0, 1]]), torch.tensor([[1]]))
+    ptrs = dict(be.engines["target"].context.ptrs)
+    second, _ = be.target(torch.tensor([0]), torch.tensor([[9]]), torch.tensor([[2]]), torch.tensor([[0]]))
+    assert [c if isinstance(c, str) else c[0] for c in calls] == ["enter", "profile", "run", "write", "exit"] * 2
+    assert all(c[1] for c in calls if isinstance(c, tuple) and c[0] == "write")
+    assert ptrs["logits"] == be.engines["target"].context.ptrs["logits"]  # the same output buffer
+    assert ptrs["new_key_0"] == be.engines["target"].context.ptrs["new_key_0"]
+    assert first[0, 0, 0] == 8 and second[0, 0, 0] == 9  # the first result survived the second call
+
+
+def test_from_bundle_reads_the_configs_from_the_manifest(monkeypatch, tmp_path):
+    """`retrace-export build --backend tensorrt` bundles keep only ONNX files in target/ and drafter/: the
+    backend takes the configs from the manifest, as the ONNX Runtime backend does."""
+    from export_fixtures import pair_and_bundle
+
+    from retrace.engines.bundle import Bundle
+    from retrace.runtime.bundle_configs import bundle_configs
+
+    built = pair_and_bundle()
+    assert not (built.bundle / "target" / "config.json").exists()
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_trt([]))
+    be = tb.TensorRTBackend.from_bundle(built.bundle, engine_dir=_engine_dir(tmp_path, drafter=True), device="cpu",
+                                        verify=False)
+    target, drafter = bundle_configs(Bundle.open(built.bundle, verify_hashes=False))
+    assert be.target_config == target and be.drafter_config == drafter and drafter is not None

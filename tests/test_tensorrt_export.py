@@ -30,7 +30,8 @@ def test_target_profiles_for_given_limits():
     assert pre["past_key_{i}"] == ((1, -1, 0, -1), (2, -1, 0, -1), (4, -1, 0, -1))  # P = 0
     assert pre["logits_index"] == ((1, 1), (2, 1), (4, 1))
     assert ver["input_ids"] == ((1, 1), (2, 16), (4, 16))  # T = block_size
-    assert ver["past_value_{i}"] == ((1, -1, 0, -1), (2, -1, 128, -1), (4, -1, 256, -1))  # P up to max_seq_len
+    # P up to max_seq_len, tuned for it: the backend binds the whole cache of a slot range (no prefix copy)
+    assert ver["past_value_{i}"] == ((1, -1, 0, -1), (2, -1, 256, -1), (4, -1, 256, -1))
     assert ver["logits_index"] == ((1, 1), (2, 16), (4, 16))
     assert dec["input_ids"] == ((1, 1), (2, 1), (4, 1))  # T = 1
     assert dec["past_key_{i}"] == ver["past_key_{i}"]
@@ -41,7 +42,8 @@ def test_drafter_profiles_for_given_limits():
     p = te.optimisation_profiles(4, 256, 16, 128)["drafter"]
     assert set(p["verify"]) == set(te.DRAFTER_INPUTS)
     assert p["prefill"]["ctx_taps"] == ((1, 1, -1), (2, 64, -1), (4, 128, -1))
-    assert p["verify"]["ctx_positions"] == ((1, 1), (2, 16), (4, 16))
+    # tuned for a block of context, up to max_seq_len: the taps of every round since the last draft call
+    assert p["verify"]["ctx_positions"] == ((1, 1), (2, 16), (4, 256))
     assert p["decode"]["ctx_positions"] == ((1, 1), (2, 1), (4, 1))
     for prof in te.PROFILES:  # the block is always B slots
         assert p[prof]["block_ids"] == ((1, 16), (2, 16), (4, 16))
@@ -58,7 +60,7 @@ def test_profiles_with_model_dims_and_defaults():
     p = te.optimisation_profiles(1, 64, 8, dims=dims)
     assert [n for n in p["target"]["decode"] if n.startswith(("past_key", "past_value"))] == [
         "past_key_0", "past_key_1", "past_value_0", "past_value_1"]
-    assert p["target"]["decode"]["past_key_1"] == ((1, 2, 0, 16), (1, 2, 32, 16), (1, 2, 64, 16))
+    assert p["target"]["decode"]["past_key_1"] == ((1, 2, 0, 16), (1, 2, 64, 16), (1, 2, 64, 16))
     assert p["target"]["prefill"]["input_ids"][2] == (1, 64)  # max_prompt_len defaults to max_seq_len
     assert p["drafter"]["verify"]["features"] == ((1, 8, 3),) * 3
     for bad in [(0, 64, 8, 8), (1, 64, 1, 8), (1, 4, 8, 4), (1, 64, 8, 65)]:
@@ -104,7 +106,7 @@ def test_resolve_profile_fills_model_dims_from_the_graph():
     assert shapes["past_key_1"] == [None, 2, None, 8]
     r = te.resolve_profile(entries, shapes)
     assert set(r) == set(shapes)
-    assert r["past_key_1"] == ((1, 2, 0, 8), (2, 2, 128, 8), (4, 2, 256, 8))
+    assert r["past_key_1"] == ((1, 2, 0, 8), (2, 2, 256, 8), (4, 2, 256, 8))
     assert r["input_ids"] == ((1, 1), (2, 16), (4, 16))
     with pytest.raises(RetraceError, match="'extra'"):
         te.resolve_profile(entries, {**shapes, "extra": [None]})
@@ -277,3 +279,40 @@ def test_build_sequence_with_recording_tensorrt(tmp_path, monkeypatch):
     builds = [e for e in log if e[0] == "build"]
     assert all(flags == 1 and config.flags == [] for _, flags, config in builds)
     assert ("register",) not in log
+
+
+def test_parser_version_chooses_the_attention_form(tmp_path, monkeypatch):
+    """opset-23 Attention parses from TensorRT 10.14, RMSNormalization / RotaryEmbedding from 10.15
+    (onnx-tensorrt's changelog): an older TensorRT is refused, before any export, naming the flag."""
+    from retrace.export.build import BuildOptions, _tensorrt_precheck
+
+    attention = helper.make_node("Attention", ["q", "k", "v"], ["y"])
+    model = helper.make_model(helper.make_graph([attention, helper.make_node("Relu", ["y"], ["z"])], "g", [], []))
+    assert te.parser_ops(model) == {"Attention": (10, 14)}
+    te.check_parser((10, 14), te.parser_ops(model))
+    with pytest.raises(RetraceError, match=r"TensorRT 10.13's ONNX parser cannot import the opset-23 Attention "
+                                           r"\(TensorRT >= 10.14\).*--attention decomposed"):
+        te.check_parser((10, 13), te.parser_ops(model))
+    log = []
+    for version, ok in (("10.13.0", False), ("10.14.1", False), ("10.15.0", True)):
+        trt = _fake_trt(log)
+        trt.__version__ = version
+        monkeypatch.setitem(sys.modules, "tensorrt", trt)
+        trt.Builder = object
+        opts = BuildOptions(tmp_path, None, tmp_path / "b", backend="tensorrt")  # attention "native"
+        if ok:
+            _tensorrt_precheck(opts)
+        else:
+            with pytest.raises(RetraceError, match="RMSNormalization.*--attention decomposed"):
+                _tensorrt_precheck(opts)
+        _tensorrt_precheck(BuildOptions(tmp_path, None, tmp_path / "b", backend="tensorrt",
+                                        attention="decomposed"))
+    # build_tensorrt checks the graphs it parses, too (the decomposed test bundle has none of these ops)
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_trt(log))
+    bundle = _bundle(tmp_path / "x")
+    native = onnx.load(str(bundle / "target/model.onnx"))
+    native.graph.node.append(helper.make_node("RMSNormalization", ["logits"], ["unused"]))
+    onnx.save(native, str(bundle / "target/model.onnx"))
+    with pytest.raises(RetraceError, match="RMSNormalization"):
+        te.build_tensorrt(bundle, tmp_path / "out", plugin="none")
+    assert not (tmp_path / "out").exists()

@@ -5,7 +5,9 @@ the up/gate swap checked against the HF tensors, tied and untied embeddings)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,7 +121,7 @@ def test_write_trtllm_deployment(tmp_path):
     assert (out / "drafter" / "config.json").is_file()
     spec = res["speculative_config"]
     assert spec == {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": str((out / "drafter").absolute()),
-                    "mask_token_id": 255, "target_layer_ids": [0, 1]}
+                    "mask_token_id": 255, "target_layer_ids": [0, 1], "attention_backend": "TRTLLM"}
     serve = res["serve"].read_text()
     assert res["serve"].stat().st_mode & 0o111
     assert 'trtllm-serve "$HERE/target"' in serve and '--extra_llm_api_options "$HERE/extra_llm_api_options.yaml"' in serve
@@ -128,7 +130,7 @@ def test_write_trtllm_deployment(tmp_path):
     src = res["python"].read_text()
     compile(src, "run_llm.py", "exec")
     assert "DFlashDecodingConfig(speculative_model=str(HERE / \"drafter\"), max_draft_len=7, mask_token_id=255, " \
-           "target_layer_ids=[0, 1])" in src
+           "target_layer_ids=[0, 1], attention_backend='TRTLLM')" in src
     assert res["notes"] and "conditioner" in res["notes"][0] and "conditioner" in res["readme"].read_text()
     # copies instead of links, and a shorter draft
     res = tl.write_trtllm_deployment(tmp_path / "target", drafter, tmp_path / "out", link="copy", max_draft_len=3)
@@ -149,3 +151,38 @@ def test_deployment_refuses_mismatched_drafter(tmp_path):
     with pytest.raises(RetraceError, match="link mode"):
         tl.write_trtllm_deployment(tmp_path / "target", _drafter(tmp_path / "d4"), tmp_path / "o", link="move")
     assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+# DFlashDecodingConfig's fields (TensorRT-LLM 1.3 LLM API reference, tensorrt_llm.llmapi.DFlashDecodingConfig)
+DFLASH_FIELDS = {"max_draft_len", "max_total_draft_tokens", "speculative_model", "max_concurrency",
+                 "draft_len_schedule", "load_format", "acceptance_rate_window_size", "acceptance_rate_threshold",
+                 "use_rejection_sampling", "allow_advanced_sampling", "advanced_sampling_mode", "enable_penalty",
+                 "mask_token_id", "target_layer_ids", "decoding_type", "attention_backend"}
+
+
+@pytest.mark.parametrize("link", ["symlink", "copy", "hardlink"])
+def test_deployment_files_and_yaml_keys(tmp_path, link):
+    """The drafter directory holds only what TensorRT-LLM loads (its HF loader reads every *.safetensors
+    there: the conditioner's tensors would be unknown keys); the YAML parses to documented keys only."""
+    yaml = pytest.importorskip("yaml")
+    _hf_qwen3(tmp_path / "target", tie=True)
+    drafter = _drafter(tmp_path / "drafter")
+    (drafter / "retrace_config.json").write_text("{}")
+    save_file({"refine.weight": torch.zeros(2, 2)}, str(drafter / "retrace.safetensors"))
+    (drafter / "tokenizer_dir").mkdir()
+    (drafter / "tokenizer_dir" / "vocab.json").write_text("{}")
+    out = tmp_path / "out"
+    tl.write_trtllm_deployment(tmp_path / "target", drafter, out, link=link, attention_backend="VANILLA")
+    files = sorted((Path(d) / f).relative_to(out).as_posix() for d, _, names in os.walk(out, followlinks=True)
+                   for f in names if not Path(d).relative_to(out).as_posix().startswith("target"))
+    assert files == ["DEPLOYMENT.md", "drafter/config.json", "drafter/model.safetensors",
+                     "drafter/tokenizer_dir/vocab.json", "extra_llm_api_options.yaml", "run_llm.py", "serve.sh"]
+    assert not (out / "drafter").is_symlink()
+    assert (out / "drafter" / "model.safetensors").read_bytes() == (drafter / "model.safetensors").read_bytes()
+    options = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())
+    assert set(options) == {"speculative_config"}
+    spec = options["speculative_config"]
+    assert set(spec) <= DFLASH_FIELDS and spec["decoding_type"] == "DFlash" and spec["attention_backend"] == "VANILLA"
+    assert (drafter / "retrace.safetensors").is_file()  # the source is untouched
+    with pytest.raises(RetraceError, match="attention_backend must be one of TRTLLM, VANILLA, FA4"):
+        tl.write_trtllm_deployment(tmp_path / "target", drafter, tmp_path / "o2", attention_backend="flash")

@@ -342,7 +342,11 @@ def tensorrt_hook(ctx: BuildContext) -> None:
 def _tensorrt_precheck(opts: BuildOptions | None = None) -> None:
     from retrace.plugins.errors import require_tensorrt
 
-    require_tensorrt("Building TensorRT engines (retrace-export build --backend tensorrt)")
+    trt = require_tensorrt("Building TensorRT engines (retrace-export build --backend tensorrt)")
+    if opts is not None:  # refuse before exporting when the parser cannot import the chosen attention form
+        from retrace.export.tensorrt import check_attention_form
+
+        check_attention_form(trt, opts.attention)
 
 
 tensorrt_hook.precheck = _tensorrt_precheck

@@ -6,13 +6,21 @@ Written to `out/`: `target.plan`, `drafter.plan` (each written atomically) and `
 (limits, dtype, TensorRT version, the resolved optimisation profiles and the I/O name tables, which is
 everything `retrace.runtime.tensorrt_backend` needs to bind the engines).
 
-Every graph gets three optimisation profiles, in this order (the runtime picks the first that fits):
+Every graph gets three optimisation profiles, in this order (the runtime picks the nearest that fits):
 
     prefill  T = 1..max_prompt_len new tokens, no past (P = 0)
     verify   T = 1..block_size,                P = 0..max_seq_len
     decode   T = 1,                            P = 0..max_seq_len
 
-(for the drafter, T is C: the new context tokens whose K/V it projects; its block is always B).
+(P's opt is max_seq_len: the backend binds a slot range's whole cache, no prefix copy). For the drafter,
+T is C, the new context tokens whose K/V it projects (its block is always B), and its verify profile
+takes C up to max_seq_len: after rounds without a drafter call (the adaptive verify policy, prompt
+lookup) the next call carries every round's taps since the last one, and a request admitted into a
+running batch brings its whole prompt as context next to rows with a past.
+
+The ONNX parser must know the graphs' opset-23 ops (`PARSER_OPS`: Attention since TensorRT 10.14,
+RMSNormalization and RotaryEmbedding since 10.15, per onnx-tensorrt's changelog); `check_parser` refuses
+an older TensorRT with the flag that avoids them (`--attention decomposed`).
 
 GatedSuffixFusion nodes are handled by `plugin=`:
     "aot"   (default) each node becomes GatedSuffixRefine + GatedSuffixFuse, the two AOT plugins of
@@ -37,7 +45,7 @@ from onnx import ModelProto, helper
 
 from retrace.errors import RetraceError
 from retrace.plugins import onnx_function as of
-from retrace.plugins.errors import require_tensorrt
+from retrace.plugins.errors import require_tensorrt, tensorrt_version
 
 # ---- name tables: the exporter and this builder must agree on these ----------------------------------
 # input name (template "{i}" = layer index) -> symbolic dims. N batch, T new tokens, P past length,
@@ -78,6 +86,10 @@ ENGINE_MANIFEST = "tensorrt.json"
 PLUGIN_MODES = ("aot", "jit", "none")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 
+# opset-23 ops of the "native" attention form -> the first TensorRT whose ONNX parser imports them
+PARSER_OPS = {"Attention": (10, 14), "RMSNormalization": (10, 15), "RotaryEmbedding": (10, 15)}
+NATIVE_MIN_TENSORRT = max(PARSER_OPS.values())
+
 Range = tuple[int, int, int]
 Shape3 = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
@@ -88,9 +100,9 @@ def symbol_ranges(graph: str, profile: str, max_batch: int, max_seq_len: int, bl
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r} (expected one of {PROFILES})")
     n = (1, max(1, max_batch // 2), max_batch)
-    past = (0, max_seq_len // 2, max_seq_len)
+    past = (0, max_seq_len, max_seq_len)
     new = {"prefill": (1, max(1, max_prompt_len // 2), max_prompt_len),
-           "verify": (1, block_size, block_size),
+           "verify": (1, block_size, block_size if graph == "target" else max_seq_len),
            "decode": (1, 1, 1)}[profile]
     r = {"N": n, "P": (0, 0, 0) if profile == "prefill" else past}
     if graph == "target":
@@ -241,6 +253,33 @@ def prepare_for_tensorrt(model: ModelProto, plugin: str = "aot") -> ModelProto:
     return of.detach_function(model)
 
 
+# ---- the parser's version -------------------------------------------------------------------------------
+
+
+def parser_ops(model: ModelProto) -> dict[str, tuple[int, int]]:
+    """The graph's standard-domain ops that need a recent ONNX parser -> the TensorRT version they need."""
+    return {n.op_type: PARSER_OPS[n.op_type] for n in model.graph.node
+            if n.domain in ("", "ai.onnx") and n.op_type in PARSER_OPS}
+
+
+def check_parser(version: tuple[int, int], needs: dict[str, tuple[int, int]], where: str = "") -> None:
+    """RetraceError naming `--attention decomposed` when TensorRT `version` cannot parse an op in `needs`."""
+    missing = {op: v for op, v in needs.items() if version < v}
+    if not missing:
+        return
+    have = ".".join(map(str, version))
+    ops = ", ".join(f"{op} (TensorRT >= {'.'.join(map(str, v))})" for op, v in sorted(missing.items()))
+    raise RetraceError(f"{where}TensorRT {have}'s ONNX parser cannot import the opset-23 {ops}: rebuild the bundle "
+                       "with `retrace-export build --backend tensorrt --attention decomposed`, or install "
+                       f"tensorrt>={'.'.join(map(str, max(missing.values())))}")
+
+
+def check_attention_form(trt, attention: str) -> None:
+    """Before exporting: the "native" form needs TensorRT >= NATIVE_MIN_TENSORRT's parser."""
+    if attention == "native":
+        check_parser(tensorrt_version(trt), PARSER_OPS, "--attention native: ")
+
+
 # ---- build ---------------------------------------------------------------------------------------------
 
 
@@ -316,6 +355,8 @@ def build_tensorrt(bundle_dir: str | Path, out: str | Path, max_batch: int | Non
     plan = plan_graphs(bundle_dir, max_batch, max_seq_len, block_size, max_prompt_len=max_prompt_len,
                        files=files, plugin=plugin, manifest_name=manifest_name)
     trt = require_tensorrt("Building TensorRT engines (retrace-export build --engine tensorrt)")
+    for g in plan["graphs"].values():
+        check_parser(tensorrt_version(trt), parser_ops(g["model"]), f"{g['path']}: ")
     if plugin != "none" and any(g["has_plugin"] for g in plan["graphs"].values()):
         from retrace.plugins import tensorrt_plugin
 

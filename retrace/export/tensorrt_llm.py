@@ -4,10 +4,13 @@
     DFlash is built in (`DFlashDecodingConfig`, one-model speculative decoding). `write_trtllm_deployment`
     lays out the target and drafter checkpoints side by side, `extra_llm_api_options.yaml` with
     `speculative_config: {decoding_type: DFlash, max_draft_len, speculative_model, mask_token_id,
-    target_layer_ids}` (field names as in tensorrt_llm.llmapi.DFlashDecodingConfig; `speculative_model`
-    was `speculative_model_dir` before TensorRT-LLM 1.2, which still accepts the old name as an alias),
-    `serve.sh` (trtllm-serve) and `run_llm.py` (the LLM API). TensorRT-LLM runs the DFlash drafter: a
-    ReTrace conditioner beside it is not used there (the deployment notes say so).
+    target_layer_ids, attention_backend}` (field names as in tensorrt_llm.llmapi.DFlashDecodingConfig;
+    `speculative_model` was `speculative_model_dir` before TensorRT-LLM 1.2, which still accepts the old
+    name as an alias; the drafter's `attention_backend` defaults to VANILLA, the reference kernels, so
+    the deployment asks for TRTLLM, the optimised one), `serve.sh` (trtllm-serve) and `run_llm.py` (the
+    LLM API). TensorRT-LLM runs the DFlash drafter: a ReTrace conditioner beside it is not used there
+    (the deployment notes say so), and its files are left out of the drafter directory, since
+    TensorRT-LLM's HF weight loader reads every `*.safetensors` file it finds there.
 
 (b) TensorRT-LLM <= 1.2 (TensorRT engines): `convert_qwen3_checkpoint` writes the TensorRT-LLM checkpoint
     of the target (config.json + rank0.safetensors, tp=pp=1) for `trtllm-build`; those versions have no
@@ -32,22 +35,29 @@ from retrace.models.config import DrafterConfig, Qwen3Config, read_json
 
 LINK_MODES = ("symlink", "copy", "hardlink")
 CONDITIONER_FILES = ("retrace_config.json", "retrace.safetensors")
+# DFlashDecodingConfig.attention_backend (the drafter's attention): TRTLLM the optimised kernels, VANILLA
+# TensorRT-LLM's default reference path, FA4 FlashAttention-4 (TensorRT-LLM 1.3.0rc27 and later)
+ATTENTION_BACKENDS = ("TRTLLM", "VANILLA", "FA4")
 
 
 # ---- (a) TensorRT-LLM >= 1.3: DFlash through the LLM API ------------------------------------------------
 
 
-def speculative_config(drafter: DrafterConfig, speculative_model: str, max_draft_len: int | None = None) -> dict:
+def speculative_config(drafter: DrafterConfig, speculative_model: str, max_draft_len: int | None = None,
+                       attention_backend: str = "TRTLLM") -> dict:
     """The `speculative_config` mapping of TensorRT-LLM's DFlashDecodingConfig for this drafter."""
     draft_len = drafter.block_size - 1 if max_draft_len is None else int(max_draft_len)
     if not 1 <= draft_len <= drafter.block_size - 1:
         raise RetraceError(f"max_draft_len must be in 1..{drafter.block_size - 1} (block_size - 1), got {draft_len}")
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise RetraceError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}")
     return {
         "decoding_type": "DFlash",
         "max_draft_len": draft_len,
         "speculative_model": speculative_model,
         "mask_token_id": drafter.mask_token_id,
         "target_layer_ids": list(drafter.target_layer_ids),
+        "attention_backend": attention_backend,
     }
 
 
@@ -73,17 +83,39 @@ def to_yaml(mapping: dict, indent: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _place(src: Path, dst: Path, mode: str) -> None:
+def _clear(dst: Path) -> None:
     if dst.is_symlink() or dst.is_file():
         dst.unlink()
     elif dst.is_dir():
         shutil.rmtree(dst)
+
+
+def _place(src: Path, dst: Path, mode: str) -> None:
+    _clear(dst)
     if mode == "symlink":
         dst.symlink_to(src.resolve(), target_is_directory=True)
     elif mode == "copy":
         shutil.copytree(src, dst)
     else:  # hardlink
         shutil.copytree(src, dst, copy_function=os.link)
+
+
+def _place_drafter(src: Path, dst: Path, mode: str) -> None:
+    """The drafter directory without the ReTrace conditioner's files: a real directory whose entries are
+    linked or copied one by one (a link to the whole directory would expose them to TensorRT-LLM)."""
+    _clear(dst)
+    dst.mkdir(parents=True)
+    for entry in sorted(src.iterdir()):
+        if entry.name in CONDITIONER_FILES:
+            continue
+        if entry.is_dir():
+            _place(entry, dst / entry.name, mode)
+        elif mode == "symlink":
+            (dst / entry.name).symlink_to(entry.resolve())
+        elif mode == "copy":
+            shutil.copy2(entry, dst / entry.name)
+        else:
+            os.link(entry, dst / entry.name)
 
 
 def serve_script(max_batch_size: int, max_seq_len: int, host: str = "127.0.0.1", port: int = 8000) -> str:
@@ -127,11 +159,12 @@ if __name__ == "__main__":
 
 def write_trtllm_deployment(target_dir: str | Path, drafter_dir: str | Path, out: str | Path, *,
                             link: str = "symlink", max_draft_len: int | None = None, max_batch_size: int = 8,
-                            max_seq_len: int = 4096, host: str = "127.0.0.1", port: int = 8000) -> dict:
+                            max_seq_len: int = 4096, host: str = "127.0.0.1", port: int = 8000,
+                            attention_backend: str = "TRTLLM") -> dict:
     """Write a TensorRT-LLM (>= 1.3) DFlash deployment into `out`:
 
         out/target/   the HF target dir (symlink, copy or hardlinks, per `link`)
-        out/drafter/  the z-lab DFlash drafter dir (same)
+        out/drafter/  the z-lab DFlash drafter dir's files (same), without the ReTrace conditioner's
         out/extra_llm_api_options.yaml, out/serve.sh, out/run_llm.py, out/DEPLOYMENT.md
 
     The drafter must fit the target (hidden size, vocab, mask id, tap layers). Returns a dict with the
@@ -143,14 +176,15 @@ def write_trtllm_deployment(target_dir: str | Path, drafter_dir: str | Path, out
     weight_files(target_dir, what="target ")  # refuse pickle-only checkpoints early
     if link not in LINK_MODES:
         raise RetraceError(f"link mode must be one of {LINK_MODES}, got {link!r}")
-    spec = speculative_config(drafter, str((out / "drafter").absolute()), max_draft_len)
+    spec = speculative_config(drafter, str((out / "drafter").absolute()), max_draft_len, attention_backend)
     out.mkdir(parents=True, exist_ok=True)
     _place(target_dir, out / "target", link)
-    _place(drafter_dir, out / "drafter", link)
+    _place_drafter(drafter_dir, out / "drafter", link)
     notes = []
     if any((drafter_dir / f).exists() for f in CONDITIONER_FILES):
         notes.append("the drafter has a ReTrace conditioner (retrace_config.json): TensorRT-LLM's DFlash does not "
-                     "apply it, so this deployment decodes as plain DFlash (still lossless)")
+                     "apply it, so this deployment decodes as plain DFlash (still lossless); its files are left out "
+                     "of drafter/")
     yaml_text = ("# TensorRT-LLM >= 1.3 LLM API options (trtllm-serve --extra_llm_api_options)\n"
                  + to_yaml({"speculative_config": spec}))
     paths = {"yaml": out / "extra_llm_api_options.yaml", "serve": out / "serve.sh", "python": out / "run_llm.py",
@@ -164,7 +198,8 @@ def write_trtllm_deployment(target_dir: str | Path, drafter_dir: str | Path, out
               "    ./serve.sh            # OpenAI-compatible server (trtllm-serve)",
               "    python run_llm.py     # the same through the LLM API", "",
               f"speculative_config: max_draft_len={spec['max_draft_len']} (block_size - 1), "
-              f"mask_token_id={spec['mask_token_id']}, target_layer_ids={spec['target_layer_ids']}."]
+              f"mask_token_id={spec['mask_token_id']}, target_layer_ids={spec['target_layer_ids']}, "
+              f"attention_backend={spec['attention_backend']} (the drafter's attention kernels)."]
     readme += [f"Note: {n}." for n in notes]
     atomic_write_text(paths["readme"], "\n".join(readme) + "\n")
     return {**paths, "speculative_config": spec, "notes": notes}

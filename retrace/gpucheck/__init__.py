@@ -10,5 +10,11 @@ rewritten after every section so a timeout still leaves results:
 - ``scale``: a zoo-style pair trained on the machine from its own site-packages sources, then tau of dflash
   vs retrace (paired per prompt, T=0 and T=1), a greedy losslessness check and the suffix-headroom oracles.
 
-``--dry-run`` runs the same steps on CPU at toy sizes (tests/test_gpu_check.py).
+- ``ort_cuda``: the zoo pair's engine bundle (fp32 and fp16) on ONNX Runtime's CUDA provider against the
+  torch backend on the device, token for token (skipped without onnxruntime-gpu);
+- ``tensorrt``: the same bundle with TensorRT plans built and run by the TensorRT backend (skipped without
+  tensorrt); both in `engines.py`.
+
+``--dry-run`` runs the same steps on CPU at toy sizes (tests/test_gpu_check.py; `ort_cuda` on the CPU
+provider, `tensorrt` skipped unless TensorRT is installed).
 """

@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SECTIONS = ("environment", "parity", "kernels", "scale")
+SECTIONS = ("environment", "parity", "kernels", "scale", "ort_cuda", "tensorrt")
 
 
 def _env_float(name: str) -> float | None:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
 
-    from retrace.gpucheck import environment, kernels, parity, report_md, scale
+    from retrace.gpucheck import engines, environment, kernels, parity, report_md, scale
     from retrace.gpucheck.record import Report, log
 
     work = a.work or Path(tempfile.mkdtemp(prefix="retrace-gpucheck-"))
@@ -76,12 +76,21 @@ def main(argv: list[str] | None = None) -> int:
                                        a.parity_new_tokens or (12 if a.dry_run else None)),
         "kernels": lambda r: kernels.run(r, device, a.kernels_timeout, a.dry_run),
         "scale": lambda r: scale.run(r, sc, work, device, save=rep.write),
+        "ort_cuda": lambda r: engines.run_ort_cuda(r, a.carry / "zoo", a.carry / "cpu_reference.json",
+                                                   work / "engines", device, a.dry_run),
+        "tensorrt": lambda r: engines.run_tensorrt(r, a.carry / "zoo", a.carry / "cpu_reference.json",
+                                                   work / "engines", device),
     }
+    # the engine sections need their runtime: without it they are skipped with the reason
+    missing = {"ort_cuda": lambda: engines.ort_cuda_unavailable(a.dry_run), "tensorrt": engines.tensorrt_unavailable}
     for name in SECTIONS:
-        if name in sections:
-            rep.run(name, plan[name])
-        else:
+        why = missing[name]() if name in sections and name in missing else None
+        if name not in sections:
             rep.skip(name, "not in --sections")
+        elif why:
+            rep.skip(name, why)
+        else:
+            rep.run(name, plan[name])
     rep.write()
     log(f"done in {rep.data['elapsed_s']:.0f}s: {a.outdir / 'gpu_check.json'}, {a.outdir / 'gpu_check.md'}")
     return 0

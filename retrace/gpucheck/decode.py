@@ -38,7 +38,12 @@ def greedy(target, drafter, prompts: list[list[int]], mode: str, batch: int, max
     """-> token_ids per prompt, tau (pooled over the run), tokens/s (wall, after one warm-up request)."""
     B = drafter.config.block_size
     max_len = max(len(p) for p in prompts) + max_new_tokens + B + 2
-    rt = Runtime(make_backend(target, drafter, batch, max_len, device))
+    return timed(Runtime(make_backend(target, drafter, batch, max_len, device)), prompts, mode, max_new_tokens,
+                 device)
+
+
+def timed(rt: Runtime, prompts: list[list[int]], mode: str, max_new_tokens: int, device: torch.device) -> dict:
+    """greedy() on a ready Runtime (any backend): the same warm-up, timing and result fields."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     rt.generate(prompts[:1], SamplingParams(max_new_tokens=4), mode)  # warm-up (kernels, allocator)
     rt.reset_stats()

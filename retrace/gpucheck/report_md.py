@@ -62,4 +62,15 @@ def render(data: dict) -> str:
         if "tau_B" in hr:
             lines.append(f"- headroom (half B): {hr['tau_B']}")
         lines.append(f"- seconds: {sc.get('seconds')}")
+    for name in ("ort_cuda", "tensorrt"):
+        eng = s.get(name, {}).get("result", {})
+        if eng.get("runs"):
+            lines += ["", f"## {name} ({eng.get('n_prompts')} prompts x {eng.get('max_new_tokens')} tokens, "
+                          f"{eng.get('attention')} attention): ran {eng.get('ran')}", "",
+                      "| run | tau | tok/s | torch tok/s | = torch |", "|---|---|---|---|---|"]
+            for k, e in eng["runs"].items():
+                vs = e["vs_torch"]
+                lines.append(f"| {k} | {_f(e['tau'])} | {_f(e['tokens_per_s'], 0)} | {_f(e['torch_tokens_per_s'], 0)} "
+                             f"| {vs['identical']}/{vs['n']} |")
+            lines.append(f"token-exact: {eng.get('token_exact')}")
     return "\n".join(lines) + "\n"

@@ -45,3 +45,24 @@ def require_tensorrt(feature: str):
             f"({type(err).__name__}: {err})",
         ) from None
     return trt
+
+
+def tensorrt_version(trt) -> tuple[int, int]:
+    """(major, minor) of an imported `tensorrt` ((0, 0) when it does not say)."""
+    parts = str(getattr(trt, "__version__", "0.0")).split(".")
+    try:
+        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        return 0, 0
+
+
+def tensorrt_too_old(feature: str, minimum: tuple[int, int], found: str, detail: str = "") -> RetraceMissingDependency:
+    need = ".".join(map(str, minimum))
+    return RetraceMissingDependency(feature, f"tensorrt>={need}", f"pip install 'tensorrt>={need}'", TENSORRT_MACHINE,
+                                    f"(found tensorrt {found}{' ' + detail if detail else ''})")
+
+
+def require_version(trt, minimum: tuple[int, int], feature: str) -> None:
+    """Raise one clear RetraceMissingDependency when the imported tensorrt is older than `minimum`."""
+    if tensorrt_version(trt) < minimum:
+        raise tensorrt_too_old(feature, minimum, getattr(trt, "__version__", "?"))

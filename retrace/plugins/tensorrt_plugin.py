@@ -1,4 +1,4 @@
-"""GatedSuffixFusion as TensorRT "quickly deployable plugins" (`tensorrt.plugin`, TensorRT >= 10.8).
+"""GatedSuffixFusion as TensorRT "quickly deployable plugins" (`tensorrt.plugin`, TensorRT >= 10.9).
 
 Written against the documented `tensorrt.plugin` API; TensorRT cannot be installed on the machines
 this project is developed on, so nothing here has run inside TensorRT. Everything TensorRT-free is
@@ -31,7 +31,7 @@ import os
 import torch
 
 from . import triton_kernel as tk
-from .errors import RetraceMissingDependency, require_tensorrt
+from .errors import RetraceMissingDependency, require_tensorrt, require_version, tensorrt_too_old
 from .gated_suffix_fusion import OP_DOMAIN, OP_NAME, OP_VERSION
 
 NAMESPACE = OP_DOMAIN
@@ -40,7 +40,8 @@ FUSION = f"{NAMESPACE}::{OP_NAME}"
 REFINE = f"{NAMESPACE}::GatedSuffixRefine"
 FUSE = f"{NAMESPACE}::GatedSuffixFuse"
 STAGE_OF_PLUGIN = {REFINE: "refine", FUSE: "fuse"}
-MIN_TENSORRT = (10, 8)  # QDP AOT implementations (plugins win over local functions since 10.7)
+# `trtp.aot_impl`, `KernelLaunchParams`, `SymIntExprs` and the parser's `aot` node attribute arrived in 10.9
+MIN_TENSORRT = (10, 9)
 DTYPES = ("FP32", "FP16", "BF16")  # TensorRT names, in autotune order
 TORCH_DTYPE = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 # Triton target for AOT compiles, e.g. "cuda:90" to build for sm_90 from another device; default:
@@ -106,19 +107,21 @@ def _dtype_name(trt, dtype) -> str:
 def register() -> None:
     """Register the three plugins with TensorRT's plugin registry (idempotent).
 
-    Raises RetraceMissingDependency (one clear message) when tensorrt, its `tensorrt.plugin` module
-    (TensorRT >= 10.8) or triton is missing."""
+    Raises RetraceMissingDependency (one clear message) when tensorrt is missing or older than
+    MIN_TENSORRT, when its `tensorrt.plugin` module lacks the AOT API, or when triton is missing."""
     global _registered
     if _registered:
         return
     feature = "The TensorRT plugin of retrace::GatedSuffixFusion"
     trt = require_tensorrt(feature)
+    require_version(trt, MIN_TENSORRT, feature)
     try:
         import tensorrt.plugin as trtp
     except ImportError:
-        raise RetraceMissingDependency(
-            feature, "tensorrt>=10.8", "pip install 'tensorrt>=10.8'", "a Linux machine with an NVIDIA GPU",
-            f"(found tensorrt {getattr(trt, '__version__', '?')} without tensorrt.plugin)") from None
+        trtp = None
+    if trtp is None or not all(hasattr(trtp, a) for a in ("aot_impl", "KernelLaunchParams", "SymIntExprs")):
+        raise tensorrt_too_old(feature, MIN_TENSORRT, getattr(trt, "__version__", "?"),
+                       "without tensorrt.plugin's aot_impl / KernelLaunchParams / SymIntExprs")
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -131,6 +134,8 @@ def register() -> None:
 def _define(trt, trtp) -> None:
     Desc = trtp.TensorDesc
     Descs = tuple[trtp.TensorDesc]
+    # what TensorRT's aot_impl validation requires as the return annotation: kernel name, PTX, launch, scalars
+    Aot = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]
 
     def n_rows_and_d(t):
         shape = t.shape_expr
@@ -140,7 +145,7 @@ def _define(trt, trtp) -> None:
     def combos(plugin):
         return [trtp.AutoTuneCombination(autotune_types(plugin), "LINEAR", tactics(plugin) or None)]
 
-    def aot(plugin, first, feat, valid, tactic, eps):
+    def aot(plugin, first, feat, valid, tactic, eps) -> Aot:
         stage = STAGE_OF_PLUGIN[plugin]
         free = (None, None) if feat is None else (_dtype_name(trt, feat.dtype), _dtype_name(trt, valid.dtype))
         k = compiled(stage, _dtype_name(trt, first.dtype), int(tactic), float(eps), os.environ.get(TARGET_ENV),
@@ -186,7 +191,7 @@ def _define(trt, trtp) -> None:
         return combos(REFINE)
 
     @trtp.aot_impl(REFINE)
-    def refine_aot(memory: Desc, correction: Desc, w_refine: Desc, outputs: Descs, tactic: int):
+    def refine_aot(memory: Desc, correction: Desc, w_refine: Desc, outputs: Descs, tactic: int) -> Aot:
         return aot(REFINE, memory, None, None, tactic, 0.0)
 
     # --- stage 2: gate / RMSNorm / value / residual (AOT) ---
@@ -201,5 +206,5 @@ def _define(trt, trtp) -> None:
 
     @trtp.aot_impl(FUSE)
     def fuse_aot(x: Desc, refined: Desc, features: Desc, valid: Desc, w_gate: Desc, b_gate: Desc,
-                 norm_weight: Desc, w_value: Desc, epsilon: float, outputs: Descs, tactic: int):
+                 norm_weight: Desc, w_value: Desc, epsilon: float, outputs: Descs, tactic: int) -> Aot:
         return aot(FUSE, x, features, valid, tactic, epsilon)

@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from retrace.engines.bundle import BundleError
 from retrace.runtime.graph_prune import prune
+from retrace.runtime.ort_io_binding import ELEMENT_DTYPE, run_bound
 
 # the folder ONNX Runtime resolves a graph's external data against when the graph is given as bytes
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
@@ -99,7 +99,7 @@ def rewrite_head(path: Path, cut: bool, model=None) -> HeadGraph | None:
 class LmHead:
     """logits = rows @ W^T in its own session (W prepacked once; the only packed copy in the process)."""
 
-    def __init__(self, graph_path: Path, weight: str, options, providers: list):
+    def __init__(self, graph_path: Path, weight: str, options, providers: list, device: torch.device | str = "cpu"):
         import onnx
         import onnxruntime as ort
         from onnx import helper
@@ -116,15 +116,13 @@ class LmHead:
         model.ir_version = 8
         options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(graph_path.parent))
         self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-        self.vocab, self.dtype = V, {1: torch.float32, 10: torch.float16}[w.data_type]
-        self._np = {torch.float32: np.float32, torch.float16: np.float16}[self.dtype]
+        if w.data_type not in ELEMENT_DTYPE:
+            raise BundleError(f"{graph_path}: LM head {weight!r} has element type {w.data_type}, not float32/16/bf16")
+        self.vocab, self.dtype, self.device = V, ELEMENT_DTYPE[w.data_type], torch.device(device)
 
     def __call__(self, rows: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
-        """rows [R, d] (R = prod(lead)) -> logits [*lead, V]."""
-        rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.vocab, dtype=self.dtype)
-        b = self.sess.io_binding()
-        b.bind_input("rows", "cpu", 0, self._np, tuple(rows.shape), rows.data_ptr())
-        b.bind_output("logits", "cpu", 0, self._np, tuple(out.shape), out.data_ptr())
-        self.sess.run_with_iobinding(b)
+        """rows [R, d] (R = prod(lead)) -> logits [*lead, V], on the session's device (bound where they are)."""
+        rows = rows.to(self.device).contiguous()
+        out = torch.empty(rows.shape[0], self.vocab, dtype=self.dtype, device=self.device)
+        run_bound(self.sess, {"rows": rows}, {"logits": out})
         return out.view(*lead, self.vocab)

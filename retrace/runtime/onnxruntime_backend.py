@@ -24,23 +24,25 @@ their LM head runs in a third session, the only one that prepacks it (retrace.ru
 `lm_head_session` forces it on or off; by default on for a table of 16 MiB or more).
 
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
-explicitly). Inputs and outputs stay in host memory (ONNX Runtime copies them to and from the device).
+explicitly). The caches, the staging buffers and every output live on the first provider's device
+(`device`, retrace.runtime.ort_io_binding: torch memory bound by pointer), so a CUDA call uploads only the
+loop's small index inputs and brings back only what the loop reads (the logits rows it asked for, the
+taps, the drafter's hidden states); the in-place K/V form runs wherever the caches sit on the provider's
+device (on CUDA for fp16 / bf16 graphs: ONNX Runtime's CUDA GroupQueryAttention has no fp32 kernel).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from retrace.engines.bundle import Bundle, BundleError
 from retrace.errors import MissingDependencyError, RetraceError
-from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
+from retrace.runtime.bundle_configs import bundle_configs
 from retrace.runtime.kv_inplace import BIAS, to_inplace_kv, tree_bias
 from retrace.runtime.lm_head_split import (
     EXTERNAL_FOLDER_KEY,
@@ -49,13 +51,20 @@ from retrace.runtime.lm_head_split import (
     LmHead,
     rewrite_head,
 )
+from retrace.runtime.ort_io_binding import (
+    ELEMENT_DTYPE,
+    PROVIDER_DEVICE,
+    run_bound,
+    session_device,
+    torch_dtype,
+)
 from retrace.runtime.shared_weights import SharedWeights
 
-_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
-       "tensor(double)": np.float64, "tensor(bfloat16)": None, "tensor(bool)": np.bool_}
-_TORCH = {np.float32: torch.float32, np.float16: torch.float16, np.int64: torch.int64, np.int32: torch.int32,
-          np.float64: torch.float64, np.bool_: torch.bool}
 KV_MODES = ("inplace", "gather", "full")
+# inputs a device kernel reads on the host (GroupQueryAttention's total_sequence_length): bound from host memory
+HOST_INPUTS = {"total_sequence_length"}
+# the in-place form (GroupQueryAttention over a shared past/present buffer) per provider: its dtypes
+INPLACE_DTYPES = {"cpu": (torch.float32, torch.float16, torch.bfloat16), "cuda": (torch.float16, torch.bfloat16)}
 
 
 def _ort():
@@ -74,14 +83,16 @@ def default_providers() -> list[str]:
 
 
 class _Cache:
-    """K/V of every layer in ONE preallocated CPU tensor [2L, S, Hkv, max_seq_len, hd] (index 2i = layer i's
-    keys, 2i+1 its values: the graphs' past/new order), so a call's gather and write are one tensor op
-    each instead of 2L small ones; ORT reads the staged pasts and writes new K/V through raw pointers."""
+    """K/V of every layer in ONE preallocated tensor [2L, S, Hkv, max_seq_len, hd] on the session's device
+    (index 2i = layer i's keys, 2i+1 its values: the graphs' past/new order), so a call's gather and write
+    are one tensor op each instead of 2L small ones; ORT reads the staged pasts and writes new K/V through
+    raw pointers."""
 
-    def __init__(self, layers: int, slots: int, heads: int, length: int, head_dim: int, dtype: torch.dtype):
-        self.kv = torch.zeros(2 * layers, slots, heads, length, head_dim, dtype=dtype)
+    def __init__(self, layers: int, slots: int, heads: int, length: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.kv = torch.zeros(2 * layers, slots, heads, length, head_dim, dtype=dtype, device=device)
         self.heads, self.head_dim, self.length, self.layers = heads, head_dim, length, layers
-        self._staging = torch.empty(0, dtype=dtype)
+        self._staging = torch.empty(0, dtype=dtype, device=device)
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -93,6 +104,7 @@ class _Cache:
 
     def past(self, slots: torch.Tensor, length: int, mode: str) -> list[torch.Tensor]:
         """Dense past K/V [N, Hkv, length, hd] per layer, interleaved k0, v0, k1, v1, ..."""
+        slots = slots.to(self.kv.device)
         rows = contiguous_range(slots)
         if mode == "full":
             # contiguous slots: views of the caches, no copy (P = max_seq_len); scattered: one gather
@@ -101,7 +113,7 @@ class _Cache:
         need = self.kv.shape[0] * n * self.heads * length * self.head_dim
         if self._staging.numel() < need:  # grow geometrically, never beyond the cache itself
             self._staging = torch.empty(min(max(need, 2 * self._staging.numel()), self.kv.numel()),
-                                        dtype=self.kv.dtype)
+                                        dtype=self.kv.dtype, device=self.kv.device)
         dst = self._staging[:need].view(self.kv.shape[0], n, self.heads, length, self.head_dim)
         if length and rows is None:
             torch.index_select(self.kv[:, :, :, :length], 1, slots, out=dst)
@@ -111,7 +123,8 @@ class _Cache:
 
     def new_buffer(self, n: int, t: int) -> torch.Tensor:
         """Where a call's new K/V outputs go: [2L, N, Hkv, T, hd] (dst[j] contiguous, bound to output j)."""
-        return torch.empty(self.kv.shape[0], n, self.heads, t, self.head_dim, dtype=self.kv.dtype)
+        return torch.empty(self.kv.shape[0], n, self.heads, t, self.head_dim, dtype=self.kv.dtype,
+                           device=self.kv.device)
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, new: torch.Tensor) -> None:
         """new [2L, N, Hkv, T, hd] written at (slot, position) for every layer."""
@@ -124,17 +137,20 @@ class _Cache:
                 self.kv[:, s, :, p0:p0 + T] = new[:, n]
             return
         # index dims (rows, positions) broadcast to [N, T] and move to the front: [N, T, 2L, Hkv, hd]
-        self.kv[:, slots[:, None], :, positions] = new.permute(1, 3, 0, 2, 4)
+        dev = self.kv.device
+        self.kv[:, slots.to(dev)[:, None], :, positions.to(dev)] = new.permute(1, 3, 0, 2, 4)
 
 
 class _Graph:
-    """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory.
+    """One ONNX Runtime session plus its I/O names and dtypes; runs with IO binding over torch memory on
+    `device` (feeds built on the host are moved there first, except HOST_INPUTS).
     `shared`: {initializer name: OrtValue} used instead of the graph's own copies (add_initializer);
     `head`: the graph with its LM head rewritten (retrace.runtime.lm_head_split); cut off when `rows` is set."""
 
     def __init__(self, path: Path, options, providers: list, what: str, shared: dict | None = None,
-                 head: HeadGraph | None = None):
+                 head: HeadGraph | None = None, device: torch.device | str = "cpu"):
         ort = _ort()
+        self.device = torch.device(device)
         model, self.rows = str(path), None  # rows: the output that replaces logits in a split graph
         if head is not None:
             model, self.rows = head.model, head.rows
@@ -147,23 +163,18 @@ class _Graph:
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             raise RetraceError(f"{path}: ONNX Runtime {ort.__version__} cannot load the {what} graph ({e}). "
                                "Bundles need onnxruntime >= 1.22 (opset 23)") from None
-        self.inputs = {i.name: _NP.get(i.type) for i in self.sess.get_inputs()}
-        self.outputs = {o.name: _NP.get(o.type) for o in self.sess.get_outputs()}
+        self.inputs = {i.name: i.type for i in self.sess.get_inputs()}
+        self.outputs = {o.name: o.type for o in self.sess.get_outputs()}
         self.past_names = [n for n in self.inputs if n.startswith(("past_key_", "past_value_"))]
         self.new_names = [n for n in self.outputs if n.startswith(("new_key_", "new_value_"))]
 
     def dtype(self, name: str) -> torch.dtype:
-        return _TORCH[self.inputs[name] if name in self.inputs else self.outputs[name]]
+        return torch_dtype(self.inputs[name] if name in self.inputs else self.outputs[name])
 
     def run(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
-        b = self.sess.io_binding()
-        for name, t in feeds.items():
-            t = t.contiguous()
-            feeds[name] = t  # keep alive until run() returns
-            b.bind_input(name, "cpu", 0, self.inputs[name], tuple(t.shape), t.data_ptr())
-        for name, t in outputs.items():
-            b.bind_output(name, "cpu", 0, self.outputs[name], tuple(t.shape), t.data_ptr())
-        self.sess.run_with_iobinding(b)
+        placed = {name: t.contiguous() if name in HOST_INPUTS else t.to(self.device).contiguous()
+                  for name, t in feeds.items()}  # kept alive until the run returns
+        run_bound(self.sess, placed, outputs)
 
 
 class OnnxRuntimeBackend:
@@ -172,7 +183,9 @@ class OnnxRuntimeBackend:
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, providers: list | None = None, kv_mode: str | None = None,
                  session_options: dict | None = None, share_weights: bool = True,
-                 lm_head_session: bool | None = None):
+                 lm_head_session: bool | None = None, device: str | None = None):
+        """device: where the caches and outputs live (default: the first execution provider's; "cpu" with a
+        CUDA provider keeps them in host memory, ONNX Runtime then copying them per call)."""
         _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
         if kv_mode is not None and kv_mode not in KV_MODES:
@@ -181,23 +194,13 @@ class OnnxRuntimeBackend:
         self.max_batch = _limit("max_batch", max_batch, limits.get("max_batch"), bundle.root)
         self.max_seq_len = _limit("max_seq_len", max_seq_len, limits.get("max_seq_len"), bundle.root)
         tm = bundle.model("target")
-        if tm is None or bundle.graph("target") is None:
-            raise BundleError(f"{bundle.root}: bundle has no target model")
-        where = bundle.root / "manifest.json"
-        self.target_config = Qwen3Config.from_dict(tm["config"], where, tm.get("generation_config"))
-        if tm.get("eos_token_ids") is not None:
-            self.target_config = dataclasses.replace(self.target_config, eos_token_ids=tuple(tm["eos_token_ids"]))
-        dm = bundle.model("drafter")
-        self.drafter_config = None
-        if dm is not None:
-            dc = DrafterConfig.from_dict(dm["config"], where)
-            block = int(limits.get("block_size") or dc.block_size)
-            self.drafter_config = dataclasses.replace(dc, block_size=block)
+        self.target_config, self.drafter_config = bundle_configs(bundle)
         self.has_conditioner = bundle.model("conditioner") is not None
 
         if threads:
             torch.set_num_threads(int(threads))
         self.providers = list(providers) if providers else default_providers()
+        self.device = session_device(self.providers, device)
         # the embedding / LM head the drafter graph shares with the target: one mapped copy for both sessions
         self.shared = SharedWeights.of(bundle) if share_weights and self.drafter_config is not None else None
         # the LM head (retrace.runtime.lm_head_split): a large table the drafter shares runs in one session of
@@ -213,13 +216,14 @@ class OnnxRuntimeBackend:
                             else lm_head_session))
         self.head = None
         if shared_head:
-            self.head = LmHead(t_path, t_head.weight, _session_options(threads, session_options), self.providers)
+            self.head = LmHead(t_path, t_head.weight, _session_options(threads, session_options), self.providers,
+                               self.device)
         else:
             t_head = rewrite_head(t_path, cut=False, model=t_model)
             d_head = rewrite_head(d_path, cut=False) if d_path else None
         try:
             self.tgraph = _Graph(t_path, _session_options(threads, session_options), self.providers, "target",
-                                 self.shared.target if self.shared else None, t_head)
+                                 self.shared.target if self.shared else None, t_head, self.device)
         except RetraceError:
             if self.inplace is None or kv_mode == "inplace":
                 raise
@@ -228,11 +232,12 @@ class OnnxRuntimeBackend:
             self.inplace, self.kv_mode = None, "gather"
             t_head = rewrite_head(t_path, cut=self.head is not None)
             self.tgraph = _Graph(t_path, _session_options(threads, session_options), self.providers, "target",
-                                 self.shared.target if self.shared else None, t_head)
+                                 self.shared.target if self.shared else None, t_head, self.device)
         self.dgraph = None
         if self.drafter_config is not None:
             self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
-                                 self.providers, "drafter", self.shared.drafter if self.shared else None, d_head)
+                                 self.providers, "drafter", self.shared.drafter if self.shared else None, d_head,
+                                 self.device)
             self._suffix_inputs = "valid" in self.dgraph.inputs
             if self._suffix_inputs:
                 feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
@@ -242,12 +247,12 @@ class OnnxRuntimeBackend:
         dtype = self.tgraph.dtype("past_key_0")
         tc = self.target_config.layers
         self.tcache = _Cache(tc.num_hidden_layers, self.max_batch, tc.num_key_value_heads, self.max_seq_len,
-                             tc.head_dim, dtype)
+                             tc.head_dim, dtype, self.device)
         self.dcache = None
         if self.drafter_config is not None:
             dc = self.drafter_config.layers
             self.dcache = _Cache(dc.num_hidden_layers, self.max_batch, dc.num_key_value_heads, self.max_seq_len,
-                                 dc.head_dim, self.dgraph.dtype("past_key_0"))
+                                 dc.head_dim, self.dgraph.dtype("past_key_0"), self.device)
         self._taps_width = len(tm.get("tap_layers") or ()) * tc.hidden_size
 
     def _inplace_target(self, path: Path, kv_mode: str | None):
@@ -255,14 +260,21 @@ class OnnxRuntimeBackend:
         not inplace or (auto mode) the graph does not have the exported attention form."""
         if kv_mode not in (None, "inplace"):
             return None, None
-        if "CPUExecutionProvider" not in self.providers[:1]:  # the caches live in host memory
-            if kv_mode == "inplace":
-                raise RetraceError(f"kv_mode='inplace' runs on the CPU execution provider only (the K/V caches live "
-                                   f"in host memory), not first in {self.providers}: use kv_mode='gather'")
-            return None, None
         import onnx
 
         model = onnx.load(str(path), load_external_data=False)
+        first = self.providers[0] if self.providers else "CPUExecutionProvider"
+        first = first[0] if isinstance(first, tuple) else first
+        past = next((i for i in model.graph.input if i.name == "past_key_0"), None)
+        dtype = ELEMENT_DTYPE.get(past.type.tensor_type.elem_type) if past is not None else None
+        where = PROVIDER_DEVICE.get(first)
+        why = (f"the K/V caches live on {self.device.type}, not on {first}'s device" if where != self.device.type
+               else f"{first}'s GroupQueryAttention has no {dtype} kernel"
+               if dtype not in INPLACE_DTYPES.get(where, ()) else None)
+        if why is not None:
+            if kv_mode == "inplace":
+                raise RetraceError(f"kv_mode='inplace' cannot run here ({why}): use kv_mode='gather'")
+            return None, None
         c = self.target_config.layers
         inplace = to_inplace_kv(model, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         if inplace is None and kv_mode == "inplace":
@@ -301,11 +313,12 @@ class OnnxRuntimeBackend:
             feeds["tree_mask"] = (tree_mask if tree_mask is not None
                                   else torch.ones(T, T, dtype=torch.bool).tril().expand(N, T, T)).to(torch.bool)
         K = logits_index.shape[1]
-        out = {"taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"))}
+        dev = self.device
+        out = {"taps": torch.empty(N, T, self._taps_width, dtype=g.dtype("taps"), device=dev)}
         if g.rows:
-            out[g.rows] = torch.empty(N * K, self.target_config.hidden_size, dtype=g.dtype(g.rows))
+            out[g.rows] = torch.empty(N * K, self.target_config.hidden_size, dtype=g.dtype(g.rows), device=dev)
         else:
-            out["logits"] = torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits"))
+            out["logits"] = torch.empty(N, K, self.target_config.vocab_size, dtype=g.dtype("logits"), device=dev)
         if self.inplace:
             self._run_inplace(slots, past_len, T, feeds, out)
         else:
@@ -317,7 +330,8 @@ class OnnxRuntimeBackend:
             out.update(zip(g.new_names, new, strict=True))
             g.run(feeds, out)
             self.tcache.write(slots, positions, new)
-        return (self.head(out[g.rows], (N, K)) if g.rows else out["logits"]), out["taps"]
+        logits = self.head(out[g.rows], (N, K)) if g.rows else out["logits"]
+        return logits.cpu(), out["taps"].cpu()  # the rows the loop asked for; no copy on the CPU provider
 
     def _run_inplace(self, slots, past_len, T: int, feeds: dict, out: dict) -> None:
         """One target call on the in-place graph: the slots' caches bound whole as past and present; the
@@ -329,7 +343,7 @@ class OnnxRuntimeBackend:
         # scattered slots: their caches up to the call's end gathered into a buffer of that capacity (the
         # operator needs only capacity >= past + T), the new entries written back below
         kv = (self.tcache.kv[:, rows] if rows is not None
-              else torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots))
+              else torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots.to(self.device)))
         feeds.update(seqlens_k=(past_len + (T - 1)).to(torch.int32), query_seqlens=torch.full((N,), T, dtype=torch.int32),
                      total_sequence_length=torch.tensor(total, dtype=torch.int32))
         if BIAS in g.inputs:
@@ -365,23 +379,24 @@ class OnnxRuntimeBackend:
                              features=suffix.features.to(g.dtype("features")),
                              valid=suffix.valid.to(g.dtype("valid")),
                              corr_index=suffix.corr_index.to(torch.int64).clamp(0, C - 1))
-        c = dc.layers
-        out = {"hidden": torch.empty(N, B, c.hidden_size, dtype=g.dtype("hidden"))}
+        c, dev = dc.layers, self.device
+        out = {"hidden": torch.empty(N, B, c.hidden_size, dtype=g.dtype("hidden"), device=dev)}
         if g.rows:
-            out[g.rows] = torch.empty(N * (B - 1), dc.hidden_size, dtype=g.dtype(g.rows))
+            out[g.rows] = torch.empty(N * (B - 1), dc.hidden_size, dtype=g.dtype(g.rows), device=dev)
         else:
-            out["logits"] = torch.empty(N, B - 1, dc.vocab_size, dtype=g.dtype("logits"))
+            out["logits"] = torch.empty(N, B - 1, dc.vocab_size, dtype=g.dtype("logits"), device=dev)
         new = self.dcache.new_buffer(N, C)
         out.update(zip(g.new_names, new, strict=True))
         g.run(feeds, out)
         self.dcache.write(slots, ctx_positions, new)
-        hidden = out["hidden"]
+        hidden = out["hidden"].cpu()
         logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
-        return (hidden if hidden.dtype == torch.float32 else hidden.float()), logits
+        return (hidden if hidden.dtype == torch.float32 else hidden.float()), logits.cpu()
 
     def commit_path(self, slots, src_index, dst_pos) -> None:
         kv = self.tcache.kv
-        kv[:, slots[:, None], :, dst_pos] = kv[:, slots[:, None], :, src_index]
+        rows, src, dst = (t.to(kv.device) for t in (slots[:, None], src_index, dst_pos))
+        kv[:, rows, :, dst] = kv[:, rows, :, src]
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear

@@ -3,32 +3,48 @@
 Written against the documented TensorRT 10 API (IExecutionContext.set_input_shape /
 set_tensor_address / execute_async_v3 with torch CUDA tensors as buffers); TensorRT cannot be
 installed on the machines this project is developed on, so this file has not run against a real
-engine. What is tested without it: the profile choice and the one clear error when tensorrt (or a
-CUDA GPU) is missing.
+engine. What is tested without it (tests/test_tensorrt_backend.py, with a stand-in engine that
+computes on the bound CPU memory): the profile choice, the bindings, the caches, the order of the
+stream work, and the one clear error when tensorrt (or a CUDA GPU) is missing.
 
 Engine directory (default `<bundle>/tensorrt`): `target.plan`, `drafter.plan`, `tensorrt.json`
 (profiles, I/O names, limits). K/V caches are preallocated on the GPU per slot, [max_batch, Hkv,
-max_seq_len, hd] per layer, indexed by absolute position (docs/INTERFACES.md); each call passes the
-first `P = max(past_len)` positions of its slots (a contiguous copy: TensorRT bindings are dense) and
-writes the returned K/V of the new tokens back at their positions. Tensors cross the interface on
-the CPU, as the Backend protocol says.
+max_seq_len, hd] per layer, indexed by absolute position (docs/INTERFACES.md). A call with a past on
+a contiguous slot range binds those slots' whole caches as the past (`bound_past`: P = max_seq_len,
+views, so nothing is copied; the graph masks entries at or beyond each row's past_len); scattered
+slots gather their first max(past_len) positions; a prefill binds an empty past (P = 0); the K/V of the new tokens land in reusable output buffers and are
+written at their positions. Every device operation of a call (input uploads, the run, the cache
+write, the downloads) is issued on the backend's one CUDA stream, so TensorRT never reads a feed
+that another stream is still writing. Tensors cross the interface on the CPU, as the Backend protocol
+says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from pathlib import Path
 
 import torch
 
+from retrace.engines.bundle import Bundle
 from retrace.errors import RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.plugins.errors import RetraceMissingDependency, require_tensorrt
+from retrace.runtime.backend import contiguous_range
+from retrace.runtime.bundle_configs import bundle_configs
 from retrace.runtime.torch_backend import KVCache
 
 ENGINE_SUBDIR = "tensorrt"
 ENGINE_MANIFEST = "tensorrt.json"
 GPU_MACHINE = "a Linux machine with an NVIDIA GPU and a CUDA driver"
+
+
+def bound_past(max_past: int, max_seq_len: int, contiguous: bool = True) -> int:
+    """The past length P a call binds: 0 for a prefill; the whole cache for a contiguous slot range (views,
+    no prefix copy); the longest past for scattered slots (those are gathered: only what is read)."""
+    return 0 if max_past == 0 else max_seq_len if contiguous else max_past
 
 
 def pick_profile(profile_shapes: list[dict[str, list]], shapes: dict[str, tuple[int, ...]]) -> int:
@@ -76,11 +92,23 @@ class _Engine:
         self.profile_shapes = [info["shapes"][p] for p in profiles]
         self.profile = -1
         self.dtypes = {n: _torch_dtype(trt, self.engine.get_tensor_dtype(n)) for n in self.inputs + self.outputs}
+        self._out: dict[str, torch.Tensor] = {}  # reusable output storage, grown geometrically
+
+    def _output(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        need = math.prod(shape)
+        buf = self._out.get(name)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(max(need, 2 * (buf.numel() if buf is not None else 0)), dtype=self.dtypes[name],
+                              device=self.device)
+            self._out[name] = buf
+        return buf[:need].view(shape)
 
     def layers(self) -> int:
         return sum(1 for n in self.inputs if n.startswith("past_key_"))
 
     def run(self, feeds: dict[str, torch.Tensor], stream: torch.cuda.Stream | None) -> dict[str, torch.Tensor]:
+        """One execution on `stream` (the caller issues every other device op of the call on it too). The
+        outputs are views of reusable buffers: valid until the next run."""
         feeds = {n: t.to(self.device, self.dtypes[n]).contiguous() for n, t in feeds.items() if n in self.dtypes}
         missing = set(self.inputs) - set(feeds)
         if missing:
@@ -97,13 +125,10 @@ class _Engine:
             ctx.set_tensor_address(name, t.data_ptr())
         results = {}
         for name in self.outputs:
-            shape = tuple(ctx.get_tensor_shape(name))
-            results[name] = torch.empty(shape, dtype=self.dtypes[name], device=self.device)
+            results[name] = self._output(name, tuple(ctx.get_tensor_shape(name)))
             ctx.set_tensor_address(name, results[name].data_ptr())
         if not ctx.execute_async_v3(handle):
             raise RetraceError("TensorRT execution failed (see the TensorRT log)")
-        if stream is not None:
-            stream.synchronize()
         return results
 
     def kv_names(self, role: str) -> list[str]:
@@ -120,6 +145,8 @@ class _DeviceKVCache(KVCache):
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
     def feeds(self, slots: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+        """past_key_{i} / past_value_{i}: [N, Hkv, length, hd] (length 0 or the whole cache: for a contiguous
+        slot range these are views of the caches, dense as TensorRT needs, so no copy)."""
         pk, pv = self.past(slots, length)
         return {**{f"past_key_{i}": k for i, k in enumerate(pk)}, **{f"past_value_{i}": v for i, v in enumerate(pv)}}
 
@@ -168,19 +195,38 @@ class TensorRTBackend:
             _, kv_heads, _, head_dim = eng.profile_shapes[0]["past_key_0"][0]  # static dims of [N, Hkv, P, hd]
             self.caches[g] = _DeviceKVCache(eng.layers(), self.max_batch, kv_heads, self.max_seq_len, head_dim,
                                             eng.dtypes["past_key_0"], self.device)
+        if self.stream is not None:  # the caches were zeroed on the default stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _on_stream(self):
+        """The context every device op of a call runs in: the backend's stream (nothing on a CPU device)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _past_length(self, slots: torch.Tensor, past_len: torch.Tensor) -> int:
+        return bound_past(int(past_len.max()), self.max_seq_len, contiguous_range(slots) is not None)
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """A float32 host copy (outputs are reused buffers; on the stream, the copy waits for the run)."""
+        return t.to("cpu", torch.float32, copy=True)
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, engine_dir: str | Path | None = None, device: str = "cuda",
                     target_subdir: str = "target", drafter_subdir: str = "drafter",
                     max_batch: int | None = None, max_seq_len: int | None = None, threads: int | None = None,
                     verify: bool | None = None) -> TensorRTBackend:
-        """The plans' profiles fix the limits: max_batch / max_seq_len / threads / verify are accepted for
-        interface compatibility with the other bundle backends (the CLI passes them) and otherwise ignored."""
+        """The configs come from the bundle's manifest (`retrace-export build --backend tensorrt` writes the
+        plans into BUNDLE/tensorrt; its graph directories hold only ONNX files), or, for a directory
+        without a manifest, from `target_subdir` / `drafter_subdir` config.json files. The plans' profiles
+        fix the limits: max_batch / max_seq_len / threads are accepted for interface compatibility with
+        the other bundle backends (the CLI passes them) and otherwise ignored; verify=False skips hashing."""
         require_tensorrt("The TensorRT backend")  # before anything else: one clear message
         bundle = Path(bundle_dir)
-        target_config = Qwen3Config.from_dir(bundle / target_subdir)
-        drafter_dir = bundle / drafter_subdir
-        drafter_config = DrafterConfig.from_dir(drafter_dir) if (drafter_dir / "config.json").is_file() else None
+        if (bundle / "manifest.json").is_file():
+            target_config, drafter_config = bundle_configs(Bundle.open(bundle, verify_hashes=verify is not False))
+        else:
+            target_config = Qwen3Config.from_dir(bundle / target_subdir)
+            drafter_dir = bundle / drafter_subdir
+            drafter_config = DrafterConfig.from_dir(drafter_dir) if (drafter_dir / "config.json").is_file() else None
         return cls(engine_dir or bundle / ENGINE_SUBDIR, target_config, drafter_config, device)
 
     # -- Backend protocol ----------------------------------------------------------------------------------
@@ -189,24 +235,30 @@ class TensorRTBackend:
         if tree_mask is not None:
             raise RetraceError("the TensorRT backend has no tree verification (use --tree-budget 0)")
         eng, cache = self.engines["target"], self.caches["target"]
-        slots_d = slots.to(self.device)
         past_len = positions[:, 0]
-        feeds = {"input_ids": input_ids, "position_ids": positions, "past_len": past_len,
-                 "logits_index": logits_index, **cache.feeds(slots_d, int(past_len.max()))}
-        out = eng.run(feeds, self.stream)
-        cache.write(slots_d, positions.to(self.device), [out[n] for n in eng.kv_names("new_key")],
-                    [out[n] for n in eng.kv_names("new_value")])
-        t = eng.output_table
-        return out[t["logits"]].float().cpu(), out[t["taps"]].float().cpu()
+        with self._on_stream():
+            slots_d = slots.to(self.device)
+            feeds = {"input_ids": input_ids, "position_ids": positions, "past_len": past_len,
+                     "logits_index": logits_index,
+                     **cache.feeds(slots_d, self._past_length(slots, past_len))}
+            out = eng.run(feeds, self.stream)
+            cache.write(slots_d, positions.to(self.device), [out[n] for n in eng.kv_names("new_key")],
+                        [out[n] for n in eng.kv_names("new_value")])
+            t = eng.output_table
+            return self._host(out[t["logits"]]), self._host(out[t["taps"]])
 
     @torch.inference_mode()
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
+        with self._on_stream():
+            return self._draft(slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix)
+
+    def _draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
         eng, cache = self.engines["drafter"], self.caches["drafter"]
         slots_d = slots.to(self.device)
         past_len = ctx_positions[:, 0]
         feeds = {"ctx_taps": ctx_taps, "ctx_positions": ctx_positions, "block_ids": block_ids,
                  "block_positions": block_positions, "past_len": past_len,
-                 **cache.feeds(slots_d, int(past_len.max()))}
+                 **cache.feeds(slots_d, self._past_length(slots, past_len))}
         if self.has_conditioner:
             n, b = block_ids.shape
             if suffix is None:  # no memory: valid == 0 everywhere makes the fusion the identity (DFlash)
@@ -221,7 +273,7 @@ class TensorRTBackend:
         cache.write(slots_d, ctx_positions.to(self.device), [out[n] for n in eng.kv_names("new_key")],
                     [out[n] for n in eng.kv_names("new_value")])
         t = eng.output_table
-        return out[t["hidden"]].float().cpu(), out[t["logits"]].float().cpu()
+        return self._host(out[t["hidden"]]), self._host(out[t["logits"]])
 
     def commit_path(self, slots, src_index, dst_pos) -> None:
         raise RetraceError("the TensorRT backend has no tree verification (use --tree-budget 0)")
