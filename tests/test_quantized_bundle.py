@@ -156,3 +156,30 @@ def test_bad_quantization_options_are_refused(tmp_path):
         from retrace.export.quantize import WeightQuant
 
         WeightQuant("int4", accuracy_level=5)
+
+
+def test_int8_graphs_of_the_session_bundle_decode_like_their_own_ar(tmp_path):
+    """quantize_graph at int8 on a copy of the session's fp32 bundle (no new export): every mode, with the
+    LM head in the graphs or in its own session, gives the int8 target's own greedy tokens."""
+    from export_fixtures import copy_bundle
+
+    from retrace.engines.bundle import write_manifest
+    from retrace.export.quantize import WeightQuant, quantize_graph
+    from retrace.runtime.shared_weights import shared_pairs
+
+    bundle = copy_bundle(tmp_path / "int8")
+    m = json.loads((bundle / "manifest.json").read_text())
+    for name in ("target", "drafter"):
+        assert quantize_graph(bundle / name / "model.onnx", WeightQuant("int8", 32))["lm_head"]
+    m["graphs"]["drafter"]["shared_initializers"] = shared_pairs(bundle / "target" / "model.onnx",
+                                                                 bundle / "drafter" / "model.onnx")
+    assert "shared_target.lm_head.weight.T_Q8" in m["graphs"]["drafter"]["shared_initializers"]
+    m.pop("files")
+    write_manifest(bundle, m)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    params = SamplingParams(max_new_tokens=24)
+    want = [r.token_ids for r in Runtime.from_bundle(bundle, threads=1).generate(prompts, params, "ar")]
+    for mode, head in (("dflash", None), ("retrace", None), ("retrace", True), ("ar", True)):
+        rt = Runtime.from_bundle(bundle, threads=1, lm_head_session=head)
+        assert [r.token_ids for r in rt.generate(prompts, params, mode)] == want, (mode, head)

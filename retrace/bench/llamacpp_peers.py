@@ -18,6 +18,7 @@ llama-cpp-python`). Missing pieces skip the systems with a row that says how to 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path
     params.ftype = getattr(llama_cpp, FTYPES[gguf_type])
     params.nthread = 0
     tmp = out.with_suffix(".tmp")
-    if llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), params) != 0:
+    if llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise RetraceError(f"llama_model_quantize to {gguf_type} failed")
     tmp.rename(out)
     return out
