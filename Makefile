@@ -46,14 +46,18 @@ bench: $(STAMP)
 
 # The deployment-shape benchmark: the zoo pair inflated function-preservingly to Qwen3-0.6B's shape (real
 # compute and memory traffic, the zoo's acceptance), its ONNX Runtime bundle, every system at batch 1 and 4.
+# The precision axis (SCALE_WEIGHTS): our int4 / int8 bundles (retrace-export build --weights, built into the
+# bench cache), onnxruntime-genai's int4 / int8 builder models and llama.cpp's Q4_K_M / Q8_0 (llama-cpp-python;
+# its converter from LLAMA_CPP_SRC, see retrace/bench/llamacpp_peers.py) beside the fp32 systems.
 SCALE_ZOO ?= zoo-qwen3-0.6b
 SCALE_BUNDLE ?= bundles/qwen3-0.6b
+SCALE_WEIGHTS ?= fp32,int8,int4
 bench-scale: $(STAMP)
 	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
 	$(BIN)/retrace zoo draft-ar --from $(ZOO) --quiet
 	$(BIN)/retrace zoo inflate --from $(ZOO) --out $(SCALE_ZOO) --shape qwen3-0.6b --quiet
 	test -f $(SCALE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --out $(SCALE_BUNDLE) --max-batch 4 --max-seq-len 512
-	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 4 --max-new-tokens 48 --threads 2 --peer-env defaults --prompt-lookup --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
+	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 4 --max-new-tokens 48 --threads 2 --peer-env defaults --prompt-lookup --weights $(SCALE_WEIGHTS) --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
 
 # Servers under load (benchmarks, not in CI), on a bundle of the zoo pair (built once):
 #  serve-bench: `retrace serve` under AIPerf (in its own venv: its pins are not the project's), OpenAI

@@ -248,10 +248,14 @@ main.add_command(eval_cmd)
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
+@click.option("--weights", "weights", default="fp32", show_default=True,
+              help="precisions (comma list of fp32, int8, int4, int4:BLOCK): our bundles (retrace-export build "
+                   "--weights), onnxruntime-genai's builder models and llama.cpp's GGUF (int4: Q4_K_M, int8: Q8_0) at "
+                   "each; quantized systems' names end in -int4 etc.")
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
           no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, tree_budget,
-          tree_sources, prompt_lookup, tree_fixed, markdown_out, from_json) -> None:
+          tree_sources, prompt_lookup, tree_fixed, markdown_out, from_json, weights) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -263,7 +267,7 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()),
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
-                  tree_fixed=tree_fixed, prompt_lookup=prompt_lookup)
+                  tree_fixed=tree_fixed, prompt_lookup=prompt_lookup, weights=weights)
 
 
 from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)

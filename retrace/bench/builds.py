@@ -104,9 +104,11 @@ def _check_tokenizer(hf_dir: Path) -> None:
 
 
 def genai_export(hf_dir: str | Path, root: Path, what: str = "onnxruntime-genai model build",
-                 post=None) -> tuple[Path, dict]:
+                 post=None, precision: str = "fp32") -> tuple[Path, dict]:
     """`python -m onnxruntime_genai.models.builder -i hf_dir -o root/base -p fp32 -e cpu`, once (root/base);
-    post(out_dir), if given, edits the output before it is moved into place."""
+    post(out_dir), if given, edits the output before it is moved into place. precision "int4" / "int8"
+    (or "int4:B" for quantization block B) builds its MatMulNBits model (`-p int4 -e cpu --extra_options
+    block_size=B`; accuracy_level is the builder's CPU default, 4)."""
     hf_dir = Path(hf_dir)
     base = root / "base"
     info = {"cache": str(root), "built": False, "build_s": 0.0}
@@ -114,7 +116,9 @@ def genai_export(hf_dir: str | Path, root: Path, what: str = "onnxruntime-genai 
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix="build-", dir=root))
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(tmp / "out"),
-               "-p", "fp32", "-e", "cpu", "-c", str(tmp / "hf-cache")]
+               "-p", precision.split(":")[0], "-e", "cpu", "-c", str(tmp / "hf-cache")]
+        if ":" in precision:
+            cmd += ["--extra_options", f"block_size={precision.split(':')[1]}"]
         info["build_s"] = _run_module(cmd[2:], what, root / "build.log")
         info["built"] = True
         info["command"] = " ".join(cmd)
@@ -148,15 +152,17 @@ def _run_config(cfg: dict, threads: int) -> dict:
     return cfg
 
 
-def build_genai_model(target_dir: str | Path, cache_dir: str | Path, threads: int) -> tuple[Path, dict]:
+def build_genai_model(target_dir: str | Path, cache_dir: str | Path, threads: int,
+                      precision: str = "fp32") -> tuple[Path, dict]:
     """onnxruntime-genai model of the target (fp32, cpu), built once per target content and genai version,
     plus a per-thread-count copy whose genai_config.json sets intra_op_num_threads and disables EOS
     (`eos_token_id: []`) so that every system generates exactly max_new_tokens."""
     version = _require_genai()
     target_dir = Path(target_dir)
     _check_tokenizer(target_dir)
-    root = Path(cache_dir) / f"genai-{dir_digest(target_dir, extra=version)}"
-    base, info = genai_export(target_dir, root)
+    extra = version if precision == "fp32" else f"{version}/{precision}"  # fp32: the cache key it always had
+    root = Path(cache_dir) / f"genai-{dir_digest(target_dir, extra=extra)}"
+    base, info = genai_export(target_dir, root, precision=precision)
     run_dir = root / f"threads{threads}"
     if not (run_dir / "genai_config.json").is_file():
         tmp = Path(tempfile.mkdtemp(prefix="cfg-", dir=root))
@@ -211,7 +217,7 @@ def never_produce_padded(onnx_path: Path, real_vocab: int) -> None:
 
 
 def build_genai_draft_model(target_dir: str | Path, draft_dir: str | Path, cache_dir: str | Path,
-                            threads: int) -> tuple[Path, dict]:
+                            threads: int, precision: str = "fp32") -> tuple[Path, dict]:
     """The target's onnxruntime-genai model with an autoregressive draft model wired in as `model.draft`
     (its decoder section, filename `draft/model.onnx`, the target's session options). A draft trained at a
     smaller vocabulary than the target's is padded (retrace.train.draft_ar.pad_vocab + never_produce_padded)."""
@@ -219,12 +225,12 @@ def build_genai_draft_model(target_dir: str | Path, draft_dir: str | Path, cache
 
     version = _require_genai()
     target_dir, draft_dir = Path(target_dir), Path(draft_dir)
-    run_target, info = build_genai_model(target_dir, cache_dir, threads)
+    run_target, info = build_genai_model(target_dir, cache_dir, threads, precision)
     tv = json.loads((target_dir / "config.json").read_text())["vocab_size"]
     dv = json.loads((draft_dir / "config.json").read_text())["vocab_size"]
     if dv > tv:
         raise RetraceError(f"draft {draft_dir} has a larger vocabulary ({dv}) than the target ({tv})")
-    root = Path(cache_dir) / f"genai-draft-{dir_digest(draft_dir, extra=f'{version}/{tv}')}"
+    root = Path(cache_dir) / f"genai-draft-{dir_digest(draft_dir, extra=f'{version}/{tv}' + ('' if precision == 'fp32' else '/' + precision))}"
     src = draft_dir
     if dv < tv and not (root / "base" / "genai_config.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
@@ -234,7 +240,8 @@ def build_genai_draft_model(target_dir: str | Path, draft_dir: str | Path, cache
         src = root / "padded-hf"
     _check_tokenizer(src)
     base, dinfo = genai_export(src, root, "onnxruntime-genai draft model build",
-                               post=(lambda out: never_produce_padded(out / "model.onnx", dv)) if dv < tv else None)
+                               post=(lambda out: never_produce_padded(out / "model.onnx", dv)) if dv < tv else None,
+                               precision=precision)
     info = {**info, "draft": {**dinfo, "hf_dir": str(draft_dir), "vocab_padded_from": dv if dv < tv else None}}
     run_dir = root / f"with-target-{Path(run_target).parent.name}-threads{threads}"
     if not (run_dir / "genai_config.json").is_file():
@@ -283,12 +290,14 @@ def exporter_available() -> str | None:
 
 
 def build_ort_bundle(target_dir: str | Path, drafter_dir: str | Path, cache_dir: str | Path, max_batch: int,
-                     max_seq_len: int) -> tuple[Path, dict]:
-    """`retrace-export build --target --drafter --out` into the cache (once per checkpoint content and sizes)."""
+                     max_seq_len: int, weights: str = "fp32") -> tuple[Path, dict]:
+    """`retrace-export build --target --drafter --out` into the cache (once per checkpoint content and sizes);
+    weights "int4" / "int8" (or "int4:B": quantization block B): `--weights` (`--weight-block-size B`)."""
     why = exporter_available()
     if why:
         raise MissingDependencyError(why)
-    root = Path(cache_dir) / f"bundle-{dir_digest(target_dir, drafter_dir, extra=f'{max_batch}/{max_seq_len}')}"
+    extra = f"{max_batch}/{max_seq_len}" + ("" if weights == "fp32" else f"/{weights}")
+    root = Path(cache_dir) / f"bundle-{dir_digest(target_dir, drafter_dir, extra=extra)}"
     out = root / "bundle"
     info = {"cache": str(root), "built": False, "build_s": 0.0}
     done = root / "built.ok"
@@ -297,6 +306,9 @@ def build_ort_bundle(target_dir: str | Path, drafter_dir: str | Path, cache_dir:
         cmd = [sys.executable, "-m", "retrace.export.cli", "build", "--target", str(target_dir), "--drafter",
                str(drafter_dir), "--out", str(out), "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len),
                "--force", "--quiet"]
+        if weights != "fp32":
+            w, _, block = weights.partition(":")
+            cmd += ["--weights", w, *(["--weight-block-size", block] if block else [])]
         info["build_s"] = _run(cmd, "retrace-export build", root / "build.log")
         info["built"] = True
         info["command"] = " ".join(cmd)

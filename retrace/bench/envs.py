@@ -14,6 +14,7 @@ Groups and candidates (threads T = --threads):
   default or PASSIVE.
 - `ortgenai` (ortgenai-*): onnxruntime-genai, ONNX Runtime's thread pool (pip builds do not use OpenMP):
   intra_op_num_threads T or 1 in its genai_config.json.
+- `llamacpp` (llamacpp-*): llama-cpp-python (its ggml OpenMP threads, n_threads T): default or PASSIVE.
 ACTIVE is never a candidate: an idle worker whose OpenMP threads spin forever would steal a core from the
 worker being timed (the runner records every idle worker's CPU time to show this does not happen).
 
@@ -38,6 +39,7 @@ GROUPS = {  # group -> fnmatch patterns of its systems
     "retrace-torch": ("retrace-torch-*",),
     "retrace-onnxruntime": ("retrace-onnxruntime-*",),
     "ortgenai": ("ortgenai-*",),
+    "llamacpp": ("llamacpp-*",),
 }
 OMP_VARS = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
 

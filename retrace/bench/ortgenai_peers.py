@@ -64,20 +64,24 @@ def find_draft_ar(cfg, cache: Path, log) -> Path:
     return out
 
 
-def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, log) -> None:
+def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, log, precision: str = "fp32") -> None:
+    """The ortgenai-* systems on its builder's model at `precision` (retrace.bench.precision: int4 / int8
+    names end in -int4 etc.; the draft model is built at the same precision)."""
     from retrace.bench.builds import build_genai_draft_model, build_genai_model
+    from retrace.bench.precision import suffix
     from retrace.bench.runner import _wanted
     from retrace.bench.systems import OrtGenaiSystem
 
-    names = [n for n in ("ortgenai-ar", "ortgenai-ngram", "ortgenai-ngram-adaptive") if _wanted(n, cfg.systems)]
+    sfx = suffix(precision)
+    names = [n for n in ("ortgenai-ar", "ortgenai-ngram", "ortgenai-ngram-adaptive") if _wanted(n + sfx, cfg.systems)]
     tune = [p for p in (tune_prompts or [])[:2]]
     n = min(TUNE_TOKENS, cfg.max_new_tokens)
     if names:
         try:
-            log("building the onnxruntime-genai model (cached)")
-            mdir, info = build_genai_model(cfg.target, cache, threads)
-            built.builds["ortgenai"] = info
-            ar = OrtGenaiSystem(mdir, info.get("pad_token_id"))
+            log(f"building the onnxruntime-genai model ({precision}, cached)")
+            mdir, info = build_genai_model(cfg.target, cache, threads, precision)
+            built.builds["ortgenai" + sfx.replace("-", "_")] = info
+            ar = OrtGenaiSystem(mdir, info.get("pad_token_id"), "ortgenai-ar" + sfx)
             if "ortgenai-ar" in names:
                 built.systems.append(ar)
             ngram = [n_ for n_ in names if n_ != "ortgenai-ar"]
@@ -88,7 +92,7 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
                 opts = [{"ngram_size": g, "max_draft_tokens": k, "min_adaptive_k": 0}
                         for g in NGRAM_SIZES for k in DRAFT_WIDTHS]
                 best, opt, table = measure_best(
-                    lambda o: OrtGenaiSystem(mdir, ar.pad_id, "ortgenai-ngram", o, model=ar.model), opts, tune, n)
+                    lambda o: OrtGenaiSystem(mdir, ar.pad_id, "ortgenai-ngram" + sfx, o, model=ar.model), opts, tune, n)
                 how = {"chosen_by": f"fastest of {len(opts)} settings on {len(tune)} prompts x {n} tokens",
                        "candidates": table}
                 if "ortgenai-ngram" in ngram:
@@ -96,21 +100,21 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
                     built.systems.append(best)
                 if "ortgenai-ngram-adaptive" in ngram:
                     o = {"ngram_size": opt["ngram_size"], **ADAPTIVE}
-                    s = OrtGenaiSystem(mdir, ar.pad_id, "ortgenai-ngram-adaptive", o, model=ar.model)
+                    s = OrtGenaiSystem(mdir, ar.pad_id, "ortgenai-ngram-adaptive" + sfx, o, model=ar.model)
                     s.settings = {"speculative": o, "chosen_by": "ngram_size of ortgenai-ngram; adaptive width"}
                     built.systems.append(s)
         except (RetraceError, ImportError, RuntimeError) as e:
-            built.skip(names, str(e).splitlines()[0])
+            built.skip([n_ + sfx for n_ in names], str(e).splitlines()[0])
 
-    dnames = [n_ for n_ in ("ortgenai-draft", "ortgenai-draft-adaptive") if _wanted(n_, cfg.systems)]
+    dnames = [n_ for n_ in ("ortgenai-draft", "ortgenai-draft-adaptive") if _wanted(n_ + sfx, cfg.systems)]
     if dnames:
         try:
             if not tune:
                 raise RetraceError("no tuning prompts to choose the draft width with")
             draft = find_draft_ar(cfg, cache, log)
-            log("building the onnxruntime-genai model with the AR draft (cached)")
-            mdir, info = build_genai_draft_model(cfg.target, draft, cache, threads)
-            built.builds["ortgenai_draft"] = info
+            log(f"building the onnxruntime-genai model with the AR draft ({precision}, cached)")
+            mdir, info = build_genai_draft_model(cfg.target, draft, cache, threads, precision)
+            built.builds["ortgenai_draft" + sfx.replace("-", "_")] = info
             import onnxruntime_genai as og
 
             model = og.Model(str(mdir))
@@ -118,14 +122,14 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
             if "ortgenai-draft" in dnames:
                 opts = [{"max_draft_tokens": k, "min_adaptive_k": 0} for k in DRAFT_WIDTHS]
                 best, opt, table = measure_best(
-                    lambda o: OrtGenaiSystem(mdir, pad, "ortgenai-draft", o, model=model), opts, tune, n)
+                    lambda o: OrtGenaiSystem(mdir, pad, "ortgenai-draft" + sfx, o, model=model), opts, tune, n)
                 best.settings = {"speculative": opt, "draft_model": str(draft),
                                  "chosen_by": f"fastest of {len(opts)} widths on {len(tune)} prompts x {n} tokens",
                                  "candidates": table}
                 built.systems.append(best)
             if "ortgenai-draft-adaptive" in dnames:
-                s = OrtGenaiSystem(mdir, pad, "ortgenai-draft-adaptive", dict(ADAPTIVE), model=model)
+                s = OrtGenaiSystem(mdir, pad, "ortgenai-draft-adaptive" + sfx, dict(ADAPTIVE), model=model)
                 s.settings = {"speculative": dict(ADAPTIVE), "draft_model": str(draft), "chosen_by": "adaptive width"}
                 built.systems.append(s)
         except (RetraceError, ImportError, RuntimeError, OSError) as e:
-            built.skip(dnames, str(e).splitlines()[0])
+            built.skip([n_ + sfx for n_ in dnames], str(e).splitlines()[0])

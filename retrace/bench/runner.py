@@ -58,6 +58,7 @@ class BenchConfig:
     tree_fixed: tuple[int, ...] = ()
     tree_sources: str = "topk,suffix,target"
     prompt_lookup: bool = False  # also retrace-<backend>-<mode>-lookup: verify_policy + prompt lookup
+    weights: tuple[str, ...] = ("fp32",)  # the precision axis (retrace.bench.precision): ours and the peers'
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -139,8 +140,9 @@ class Built:
             self.skipped.append({"name": n, "reason": reason})
 
 
-def _retrace_names(backend: str, cfg: BenchConfig) -> list[tuple[str, str, str]]:
-    """(name, mode, verify policy): retrace-<backend>-<mode> runs cfg.verify_policy, -fixed the whole block."""
+def _retrace_names(backend: str, cfg: BenchConfig, suffix: str = "") -> list[tuple[str, str, str]]:
+    """(name, mode, verify policy): retrace-<backend>-<mode> runs cfg.verify_policy, -fixed the whole block;
+    `suffix`: a quantized bundle's precision (retrace.bench.precision)."""
     out = [(f"retrace-{backend}-{m}", m, cfg.verify_policy) for m in MODES]
     out += [(f"retrace-{backend}-{m}-fixed", m, "fixed") for m in MODES if m != "ar"]
     if cfg.tree_budget:  # bundles need --tree-mask (the bench's own build has none)
@@ -150,16 +152,17 @@ def _retrace_names(backend: str, cfg: BenchConfig) -> list[tuple[str, str, str]]
             for m in MODES if m != "ar"]
     if cfg.prompt_lookup:
         out += [(f"retrace-{backend}-{m}-lookup", m, f"lookup:{cfg.verify_policy}") for m in MODES if m != "ar"]
+    out = [(name + suffix, mode, policy) for name, mode, policy in out]
     return [x for x in out if _wanted(x[0], cfg.systems)]
 
 
-def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig) -> None:
+def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig, suffix: str = "") -> None:
     timers = ForwardTimers(rt.backend)
     from retrace.bench.systems import RetraceSystem
     from retrace.runtime import Runtime
 
     runtimes = {}  # one scheduler per policy over the same backend (systems run one at a time)
-    for name, mode, policy in _retrace_names(backend, cfg):
+    for name, mode, policy in _retrace_names(backend, cfg, suffix):
         if mode == "retrace" and not getattr(rt.backend, "has_conditioner", False):
             built.skip([name], "the drafter has no ReTrace conditioner (retrace init-conditioner)")
             continue
@@ -209,28 +212,12 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
                                max_seq_len=max_seq_len, threads=threads)
         _retrace_systems(built, rt, "torch", cfg)
 
-    # ours, ONNX Runtime backend
-    ort_names = [n for n, _, _ in _retrace_names("onnxruntime", cfg)] if group("retrace-onnxruntime") else []
-    if ort_names:
-        bundle = cfg.engine
-        try:
-            if bundle is None:
-                if not cfg.build_engine:
-                    raise RetraceError("no --engine given and building one was turned off")
-                from retrace.bench.builds import build_ort_bundle
+    # ours, ONNX Runtime backend, at each precision (fp32: --engine when given)
+    from retrace.bench.precision import suffix as precision_suffix
 
-                log("building the ONNX Runtime engine bundle (cached)")
-                path, info = build_ort_bundle(cfg.target, cfg.drafter, cache, max_batch, bundle_seq_len)
-                built.builds["onnxruntime_bundle"] = info
-                bundle = str(path)
-            else:
-                built.builds["onnxruntime_bundle"] = {"bundle": str(bundle), "built": False, "given": True}
-            from retrace.runtime import Runtime
-
-            rt = _bundle_runtime(Runtime, bundle, max_batch, threads, max_seq_len)
-            _retrace_systems(built, rt, "onnxruntime", cfg)
-        except (RetraceError, ImportError) as e:
-            built.skip(ort_names, str(e).splitlines()[0])
+    for weights in cfg.weights:
+        _ort_systems(built, cfg, weights, precision_suffix(weights), cache, max_batch, bundle_seq_len, threads,
+                     max_seq_len, log, group("retrace-onnxruntime"))
 
     # transformers peers
     hf_names = [n for n in ("hf-ar", "hf-dflash") if _wanted(n, cfg.systems) and group("hf")]
@@ -261,15 +248,52 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
                 built.skip(["hf-dflash"], f"{type(e).__name__}: {e}".splitlines()[0])
 
     # onnxruntime-genai peers
-    if group("ortgenai") and any(_wanted(n, cfg.systems) for n in ("ortgenai-ar", *ORTGENAI_SPEC)):
-        from retrace.bench.ortgenai_peers import add_ortgenai_systems
+    for weights in cfg.weights:
+        sfx = precision_suffix(weights)
+        if group("ortgenai") and any(_wanted(n + sfx, cfg.systems) for n in ("ortgenai-ar", *ORTGENAI_SPEC)):
+            from retrace.bench.ortgenai_peers import add_ortgenai_systems
 
-        add_ortgenai_systems(built, cfg, cache, threads, tune_prompts, log)
+            add_ortgenai_systems(built, cfg, cache, threads, tune_prompts, log, weights)
+
+    # llama.cpp peers (llama-cpp-python), at the GGUF type of each quantized precision
+    if group("llamacpp"):
+        from retrace.bench.llamacpp_peers import add_llamacpp_systems
+
+        add_llamacpp_systems(built, cfg, cache, threads, tune_prompts, log)
 
     order = {n: i for i, n in enumerate(PEERS + tuple(f"retrace-{b}-{m}{f}" for b in BACKENDS for m in MODES
                                                       for f in ("", "-fixed")))}
     built.systems.sort(key=lambda s: order.get(s.name, len(order)))
     return built
+
+
+def _ort_systems(built: Built, cfg: BenchConfig, weights: str, suffix: str, cache: Path, max_batch: int,
+                 bundle_seq_len: int | None, threads: int, max_seq_len: int, log, wanted: bool) -> None:
+    """retrace-onnxruntime-*<suffix>: a bundle at `weights` (fp32: --engine when given, else built into the
+    cache; int4 / int8: built with retrace-export build --weights)."""
+    ort_names = [n for n, _, _ in _retrace_names("onnxruntime", cfg, suffix)] if wanted else []
+    if not ort_names:
+        return
+    key = "onnxruntime_bundle" + suffix.replace("-", "_")
+    bundle = cfg.engine if weights == "fp32" else None
+    try:
+        if bundle is None:
+            if not cfg.build_engine:
+                raise RetraceError("no --engine given and building one was turned off")
+            from retrace.bench.builds import build_ort_bundle
+
+            log(f"building the ONNX Runtime engine bundle ({weights}, cached)")
+            path, info = build_ort_bundle(cfg.target, cfg.drafter, cache, max_batch, bundle_seq_len, weights)
+            built.builds[key] = info
+            bundle = str(path)
+        else:
+            built.builds[key] = {"bundle": str(bundle), "built": False, "given": True}
+        from retrace.runtime import Runtime
+
+        rt = _bundle_runtime(Runtime, bundle, max_batch, threads, max_seq_len)
+        _retrace_systems(built, rt, "onnxruntime", cfg, suffix)
+    except (RetraceError, ImportError) as e:
+        built.skip(ort_names, str(e).splitlines()[0])
 
 
 def _bundle_runtime(Runtime, bundle, max_batch: int, threads: int, max_seq_len: int):

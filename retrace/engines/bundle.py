@@ -389,6 +389,11 @@ class Bundle:
         return self.manifest.get("dtype", "float32")
 
     @property
+    def weights(self) -> str:
+        """fp32, or int8 / int4 for a weight-only quantized bundle (retrace.export.quantize)."""
+        return self.manifest.get("weights", "fp32")
+
+    @property
     def limits(self) -> dict:
         return dict(self.manifest.get("limits") or {})
 

@@ -70,6 +70,11 @@ class BuildOptions:
     conditioner: bool = True  # include the drafter directory's ReTrace conditioner when it has one
     tree_mask: bool = False  # the target graph's optional tree_mask input (tree verification, ONNX Runtime)
     backend_options: dict[str, Any] = field(default_factory=dict)  # for hooks (e.g. TensorRT profiles)
+    # weight-only quantization (retrace.export.quantize): fp32 (the default: the graphs parity-checked
+    # against torch, and bundles as before), int8 or int4 MatMulNBits; its block size and accuracy level
+    weights: str = "fp32"
+    weight_block_size: int | None = None
+    accuracy_level: int | None = None
 
     def __post_init__(self):
         if self.tree_mask and self.backend != "onnxruntime":
@@ -77,6 +82,12 @@ class BuildOptions:
         self.target = Path(self.target)
         self.drafter = Path(self.drafter) if self.drafter is not None else None
         self.out = Path(self.out)
+        from retrace.export.quantize import WeightQuant
+
+        self.quant = WeightQuant(self.weights, self.weight_block_size, self.accuracy_level)
+        if self.quant.quantized and (self.backend != "onnxruntime" or self.dtype != "float32"):
+            raise RetraceError(f"--weights {self.weights} builds ONNX Runtime MatMulNBits graphs from float32 weights: "
+                               "use it with --backend onnxruntime --dtype float32")
 
 
 @dataclass
@@ -268,14 +279,6 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
             onnx_export.check_graph(ctx.graphs["drafter"].path, "drafter",
                                     expect_fusion_nodes=1 if drafter.conditioner is not None else 0)
 
-    shared: dict[str, str] = {}
-    if drafter is not None:
-        with reporter.stage("shared weights: drafter initializers equal to the target's"):
-            from retrace.runtime.shared_weights import shared_pairs
-
-            shared = shared_pairs(ctx.graphs["target"].path, ctx.graphs["drafter"].path)
-            reporter.note(f"{len(shared)} shared (ONNX Runtime loads them once): {', '.join(shared) or 'none'}")
-
     parity: dict[str, Any] = {"tolerance": tolerance, "rule": "max|ort-torch| <= tolerance * max(1, max|logits|)"}
     with reporter.stage("parity: target in ONNX Runtime vs torch"):
         parity["target"] = run_parity("target", target, ctx.graphs["target"].path, block or 16, tolerance)
@@ -285,12 +288,34 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
             parity["drafter"] = run_parity("drafter", drafter, ctx.graphs["drafter"].path, block, tolerance)
             reporter.note(_parity_note(parity["drafter"]))
 
+    quantization = None
+    if opts.quant.quantized:  # after the fp32 parity check: the quantized graphs are the deployed target
+        q = opts.quant
+        with reporter.stage(f"quantize weights ({q.weights}, block {q.block}, accuracy level {q.level})"):
+            from retrace.export.quantize import quantize_bundle
+
+            quantization = quantize_bundle(ctx.graphs, target, q, reporter.note)
+        with reporter.stage("check quantized graphs (onnx.checker)"):
+            fusion = {"target": 0, "drafter": int(drafter is not None and drafter.conditioner is not None)}
+            for name, g in ctx.graphs.items():
+                onnx_export.check_graph(g.path, name, expect_fusion_nodes=fusion[name])
+
+    shared: dict[str, str] = {}
+    if drafter is not None:
+        with reporter.stage("shared weights: drafter initializers equal to the target's"):
+            from retrace.runtime.shared_weights import shared_pairs
+
+            shared = shared_pairs(ctx.graphs["target"].path, ctx.graphs["drafter"].path)
+            reporter.note(f"{len(shared)} shared (ONNX Runtime loads them once): {', '.join(shared) or 'none'}")
+
     with reporter.stage("tokenizer"):
         tok = _copy_tokenizer(opts.target, staging / "tokenizer")
         reporter.note(f"copied {', '.join(tok)}" if tok else "no tokenizer files in the target directory "
                       "(generate with token ids)")
 
     ctx.manifest = _manifest(opts, tcfg, dcfg, drafter, block, ctx.graphs, parity, tok)
+    if quantization is not None:
+        ctx.manifest["weights"], ctx.manifest["quantization"] = opts.quant.weights, quantization
     if shared:  # drafter initializer -> target initializer (retrace.runtime.shared_weights)
         ctx.manifest["graphs"]["drafter"]["shared_initializers"] = shared
     if hook is not None:

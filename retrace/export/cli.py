@@ -42,6 +42,14 @@ def _backends() -> list[str]:
               help="onnxruntime: the ONNX graphs are the engine (CPU EP; CUDA EP with onnxruntime-gpu); "
                    "tensorrt: TensorRT plans built from them as well (needs TensorRT and an NVIDIA GPU)")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
+@click.option("--weights", type=click.Choice(["fp32", "int8", "int4"]), default="fp32", show_default=True,
+              help="weight-only quantization of the linear layers and the LM head (ONNX Runtime MatMulNBits, "
+                   "onnxruntime backend): int4/int8 are what CPU deployments run; fp32 keeps the graphs that "
+                   "match torch")
+@click.option("--weight-block-size", type=int, default=None,
+              help="quantization block along K (power of two >= 16) [default: 128]")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
+              help="MatMulNBits accuracy_level (4: int8 activations, the fastest on CPU) [default: 4]")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="most concurrent requests")
 @click.option("--max-seq-len", type=int, default=None,
               help="prompt + output tokens per request [default: min(2048, target's max_position_embeddings)]")
@@ -61,7 +69,7 @@ def _backends() -> list[str]:
 @click.option("--tree-mask", is_flag=True,
               help="give the target graph the optional tree_mask input (tree verification: --tree-budget)")
 @cli_errors
-def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_size, attention, tolerance,
+def build(target, drafter, out, backend, dtype, weights, weight_block_size, accuracy_level, max_batch, max_seq_len, block_size, attention, tolerance,
           conditioner, force, quiet, triton_repo, tree_mask) -> None:
     """Export, check and package a target (+ drafter) as an engine bundle.
 
@@ -79,10 +87,11 @@ def build(target, drafter, out, backend, dtype, max_batch, max_seq_len, block_si
         check_output(Path(triton_repo).absolute(), KIND, force, is_legacy_repository, "Triton model repository")
     opts = BuildOptions(target=target, drafter=drafter, out=out, backend=backend, dtype=dtype, max_batch=max_batch,
                         max_seq_len=max_seq_len, block_size=block_size, force=force, attention=attention,
-                        tolerance=tolerance, conditioner=conditioner, tree_mask=tree_mask)
+                        tolerance=tolerance, conditioner=conditioner, tree_mask=tree_mask, weights=weights,
+                        weight_block_size=weight_block_size, accuracy_level=accuracy_level)
     if not quiet:
         console.print(f"[bold]retrace-export build[/bold] {target} + {drafter or '(no drafter)'} -> {out} "
-                      f"[dim]({backend}, {dtype})[/dim]")
+                      f"[dim]({backend}, {dtype}{'' if weights == 'fp32' else ', ' + weights + ' weights'})[/dim]")
     result = build_bundle(opts, Reporter(console, quiet=quiet))
     _summary(result.out, result.manifest, result.seconds)
     if triton_repo is not None:
@@ -155,6 +164,12 @@ def _summary(out: Path, manifest: dict, seconds: float) -> None:
                   f"{manifest['backend']}, {manifest['dtype']}, max_batch {lim['max_batch']}, max_seq_len "
                   f"{lim['max_seq_len']}, block_size {lim['block_size']}"
                   + (f"; parity max |Δlogits| {worst:.1e} (tolerance {par['tolerance']:g})" if worst is not None else ""))
+    if manifest.get("quantization"):
+        q = manifest["quantization"]
+        a = q.get("agreement_with_fp32") or {}
+        console.print(f"weights {q['weights']} (block {q['block_size']}, accuracy level {q['accuracy_level']}); "
+                      f"top-1 agreement with fp32 {a.get('top1_agreement', 0):.1%}, max |logit error| "
+                      f"{a.get('max_logit_error', 0):.3g} on {a.get('tokens')} held-out tokens")
     modes = "ar, dflash, retrace" if manifest["models"].get("conditioner") else (
         "ar, dflash" if manifest["models"].get("drafter") else "ar")
     console.print(f"run it: retrace generate --engine {out} --prompt ...  (modes: {modes})")
@@ -185,7 +200,8 @@ def inspect(bundle: Path, as_json: bool, quick: bool) -> None:
         console = Console()
         console.print(f"[bold]{bundle}[/bold]: {m['format']} v{m['format_version']}, retrace {m.get('retrace_version')}, "
                       f"built {m.get('created_utc')}")
-        console.print(f"backend {m.get('backend')}, dtype {m.get('dtype')}, limits {json.dumps(m.get('limits'))}")
+        console.print(f"backend {m.get('backend')}, dtype {m.get('dtype')}, weights {m.get('weights', 'fp32')}, "
+                      f"limits {json.dumps(m.get('limits'))}")
         models = m.get("models") or {}
         for name in ("target", "drafter", "conditioner"):
             info = models.get(name)

@@ -23,6 +23,7 @@ import torch
 
 from retrace.engines.bundle import BundleError
 from retrace.runtime.graph_prune import prune
+from retrace.runtime.lm_head_nbits import nbits_head_model, rewrite_nbits_head
 from retrace.runtime.ort_io_binding import ELEMENT_DTYPE, run_bound
 
 # the folder ONNX Runtime resolves a graph's external data against when the graph is given as bytes
@@ -62,6 +63,8 @@ def rewrite_head(path: Path, cut: bool, model=None) -> HeadGraph | None:
         m.CopyFrom(model)
     else:
         m = onnx.load(str(path), load_external_data=False)
+    if (quantized := rewrite_nbits_head(m, cut)) is not None:  # an int4 / int8 bundle's head
+        return quantized
     g = m.graph
     producer = {o: n for n in g.node for o in n.output}
     inits = {i.name: i for i in g.initializer}
@@ -104,21 +107,25 @@ class LmHead:
         import onnxruntime as ort
         from onnx import helper
 
-        w = next((i for i in onnx.load(str(graph_path), load_external_data=False).graph.initializer
-                  if i.name == weight), None)
-        if w is None or len(w.dims) != 2:
-            raise BundleError(f"{graph_path}: no [V, d] initializer {weight!r} for the LM head")
-        V, d = (int(x) for x in w.dims)
-        graph = helper.make_graph([helper.make_node("Gemm", ["rows", weight], ["logits"], transB=1)], "lm_head",
-                                  [helper.make_tensor_value_info("rows", w.data_type, ["rows", d])],
-                                  [helper.make_tensor_value_info("logits", w.data_type, ["rows", V])], [w])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        model.ir_version = 8
+        quantized = nbits_head_model(graph_path, weight)  # an int4 / int8 bundle's MatMulNBits head
+        if quantized is not None:
+            model, V, elem = quantized
+        else:
+            w = next((i for i in onnx.load(str(graph_path), load_external_data=False).graph.initializer
+                      if i.name == weight), None)
+            if w is None or len(w.dims) != 2:
+                raise BundleError(f"{graph_path}: no [V, d] initializer {weight!r} for the LM head")
+            (V, d), elem = (int(x) for x in w.dims), w.data_type
+            graph = helper.make_graph([helper.make_node("Gemm", ["rows", weight], ["logits"], transB=1)], "lm_head",
+                                      [helper.make_tensor_value_info("rows", elem, ["rows", d])],
+                                      [helper.make_tensor_value_info("logits", elem, ["rows", V])], [w])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+            model.ir_version = 8
         options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(graph_path.parent))
         self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
-        if w.data_type not in ELEMENT_DTYPE:
-            raise BundleError(f"{graph_path}: LM head {weight!r} has element type {w.data_type}, not float32/16/bf16")
-        self.vocab, self.dtype, self.device = V, ELEMENT_DTYPE[w.data_type], torch.device(device)
+        if elem not in ELEMENT_DTYPE:
+            raise BundleError(f"{graph_path}: LM head {weight!r} has element type {elem}, not float32/16/bf16")
+        self.vocab, self.dtype, self.device = V, ELEMENT_DTYPE[elem], torch.device(device)
 
     def __call__(self, rows: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
         """rows [R, d] (R = prod(lead)) -> logits [*lead, V], on the session's device (bound where they are)."""

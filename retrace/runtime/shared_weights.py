@@ -20,7 +20,7 @@ from retrace.engines.bundle import Bundle, BundleError
 
 SHARED_PREFIX = "shared_target."
 TARGET_PREFIX = "target."
-_DTYPES = {1: np.float32, 10: np.float16, 11: np.float64, 7: np.int64}  # onnx.TensorProto data types
+_DTYPES = {1: np.float32, 10: np.float16, 11: np.float64, 7: np.int64, 2: np.uint8}  # onnx.TensorProto data types
 
 
 def tensor_bytes(init) -> int:
@@ -45,7 +45,7 @@ def _map(graph_path: Path, init) -> np.ndarray:
     ext = {e.key: e.value for e in init.external_data}
     dtype = _DTYPES.get(init.data_type)
     if "location" not in ext or dtype is None:
-        raise BundleError(f"{graph_path}: initializer {init.name!r} is not an external float tensor; it cannot be "
+        raise BundleError(f"{graph_path}: initializer {init.name!r} is not an external float or uint8 tensor; it cannot be "
                           "shared (rebuild the bundle with retrace-export build)")
     data = graph_path.parent / ext["location"]
     shape = tuple(int(d) for d in init.dims)

@@ -1,0 +1,157 @@
+"""llama.cpp as a benchmark peer, through llama-cpp-python (PyPI; installing it compiles llama.cpp).
+
+- `llamacpp-ar-<type>`: plain greedy decoding of the target as GGUF `<type>` (q4_k_m for --weights int4,
+  q8_0 for int8: what CPU users run; retrace.bench.precision).
+- `llamacpp-ngram-<type>`: its Python API's prompt-lookup speculative decoding
+  (`llama_cpp.llama_speculative.LlamaPromptLookupDecoding`), `num_pred_tokens` in {2, 4, 8, 10} chosen
+  by a short measurement like onnxruntime-genai's n-gram width (retrace.bench.ortgenai_peers).
+Not here: llama.cpp's draft-model and DFlash speculative modes live in its `llama-speculative` tool, which
+llama-cpp-python neither builds nor exposes (its Python API takes only a draft callable), so they are not
+peers of this bench. Batch 1 only: the high-level API decodes one sequence.
+
+The GGUF: the target's HF directory converted by llama.cpp's own `convert_hf_to_gguf.py` (with its
+`gguf-py`) to f16, then `llama_model_quantize` (the library's quantizer, what `llama-quantize` runs) to the
+type, cached per target content. The converter comes from a llama.cpp source tree: $LLAMA_CPP_SRC, e.g. the
+`vendor/llama.cpp` of llama-cpp-python's source distribution (`pip download --no-deps --no-binary :all:
+llama-cpp-python`). Missing pieces skip the systems with a row that says how to install them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from retrace.bench.systems import RunOut, System
+from retrace.errors import RetraceError
+
+LLAMACPP_MODES = ("ar", "ngram")
+NGRAM_WIDTHS = (2, 4, 8, 10)
+FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+INSTALL = ("pip install llama-cpp-python (compiles llama.cpp, 10-20 min on 2 cores; on CPUs whose AMX build crashes "
+           "on quantized matmuls (llama.cpp issue 20824) add CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=ON "
+           "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON')")
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise RetraceError(f"llama-cpp-python is not installed ({e}): {INSTALL}") from None
+    return llama_cpp
+
+
+def _converter() -> Path:
+    src = os.environ.get("LLAMA_CPP_SRC")
+    script = Path(src) / "convert_hf_to_gguf.py" if src else None
+    if script is None or not script.is_file() or not (script.parent / "gguf-py").is_dir():
+        raise RetraceError("no llama.cpp converter: set LLAMA_CPP_SRC to a llama.cpp source tree with "
+                           "convert_hf_to_gguf.py and gguf-py (the vendor/llama.cpp of `pip download --no-deps "
+                           "--no-binary :all: llama-cpp-python`, unpacked)")
+    return script
+
+
+def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path:
+    """The target as GGUF `gguf_type` in the cache (f16 conversion, then llama_model_quantize), once."""
+    from retrace.bench.builds import dir_digest
+
+    llama_cpp = _llama_cpp()
+    root = cache / f"gguf-{dir_digest(target_dir, extra=llama_cpp.__version__)}"
+    out = root / f"model-{gguf_type.lower()}.gguf"
+    if out.is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    f16 = root / "model-f16.gguf"
+    if not f16.is_file():
+        script = _converter()
+        log(f"converting {target_dir} to GGUF (llama.cpp's convert_hf_to_gguf.py)")
+        tmp = f16.with_suffix(".tmp")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"),
+                                                             os.environ.get("PYTHONPATH", "")])}
+        res = subprocess.run([sys.executable, str(script), str(target_dir), "--outfile", str(tmp), "--outtype", "f16"],
+                             capture_output=True, text=True, env=env)
+        (root / "convert.log").write_text(res.stdout + res.stderr)
+        if res.returncode:
+            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RetraceError(f"convert_hf_to_gguf.py failed ({last}); log: {root / 'convert.log'}")
+        tmp.rename(f16)
+    log(f"quantizing the GGUF to {gguf_type} (llama_model_quantize)")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, FTYPES[gguf_type])
+    params.nthread = 0
+    tmp = out.with_suffix(".tmp")
+    if llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RetraceError(f"llama_model_quantize to {gguf_type} failed")
+    tmp.rename(out)
+    return out
+
+
+class LlamaCppSystem(System):
+    """Greedy decoding with llama-cpp-python; `ngram` > 0: prompt-lookup drafts of that many tokens."""
+
+    def __init__(self, gguf: Path, name: str, threads: int, n_ctx: int, ngram: int = 0):
+        llama_cpp = _llama_cpp()
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.name, self.ngram = name, ngram
+        self.llm = llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                                   verbose=False, logits_all=False,
+                                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=ngram) if ngram else None)
+
+    def supports(self, batch_size: int) -> str | None:
+        return "llama-cpp-python decodes one sequence at a time" if batch_size > 1 else None
+
+    def run(self, prompts, n, batch_size, progress=None) -> RunOut:
+        outputs = []
+        t0 = time.perf_counter()
+        for p in prompts:
+            self.llm.reset()
+            out = []
+            for tok in self.llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                         reset=True):
+                out.append(int(tok))
+                if len(out) == n:
+                    break
+            outputs.append(out)
+            if progress is not None:
+                progress(n)
+        return RunOut(outputs, time.perf_counter() - t0)
+
+
+def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, log) -> None:
+    from retrace.bench.ortgenai_peers import TUNE_TOKENS, measure_best
+    from retrace.bench.precision import llamacpp_type
+    from retrace.bench.runner import _wanted
+
+    n_ctx, seen = 4096, set()
+    for weights in cfg.weights:
+        gtype = llamacpp_type(weights)
+        if gtype is None or gtype in seen:
+            continue
+        seen.add(gtype)
+        names = [f"llamacpp-{m}-{gtype.lower()}" for m in LLAMACPP_MODES]
+        names = [nm for nm in names if _wanted(nm, cfg.systems)]
+        if not names:
+            continue
+        try:
+            gguf = build_gguf(cfg.target, cache, gtype, log)
+            built.builds[f"llamacpp_{gtype.lower()}"] = {"gguf": str(gguf)}
+            if names[0].startswith("llamacpp-ar"):
+                built.systems.append(LlamaCppSystem(gguf, names[0], threads, n_ctx))
+            if names[-1].startswith("llamacpp-ngram"):
+                tune = list(tune_prompts or [])[:2]
+                opts = [{"ngram": k} for k in NGRAM_WIDTHS]
+                make = lambda o, g=gguf, nm=names[-1]: LlamaCppSystem(g, nm, threads, n_ctx, o["ngram"])  # noqa: E731
+                if tune:
+                    best, opt, table = measure_best(make, opts, tune, min(TUNE_TOKENS, cfg.max_new_tokens))
+                    best.settings = {"num_pred_tokens": opt["ngram"], "candidates": table,
+                                     "chosen_by": f"fastest of {len(opts)} widths"}
+                else:
+                    best = make({"ngram": 10})
+                    best.settings = {"num_pred_tokens": 10, "chosen_by": "llama-cpp-python's default"}
+                built.systems.append(best)
+        except (RetraceError, OSError, RuntimeError, ValueError) as e:
+            built.skip(names, str(e).splitlines()[0])

@@ -1,0 +1,41 @@
+"""The bench's precision axis (`retrace bench --weights fp32,int4,int8`): which weights each system runs.
+
+A precision is `fp32`, `int8` or `int4`, optionally with a quantization block (`int4:256`). Our ONNX
+Runtime systems run a bundle built with `retrace-export build --weights` (retrace.export.quantize),
+onnxruntime-genai's its builder's model (`-p int4 -e cpu`, `block_size` in its extra options), llama.cpp
+the GGUF type CPU users pick at that width (int4: Q4_K_M, int8: Q8_0). A system's name carries its
+precision as a suffix (`retrace-onnxruntime-ar-int4`, `ortgenai-ar-int4b256`, `llamacpp-ar-q4_k_m`);
+fp32 names stay as they were.
+"""
+
+from __future__ import annotations
+
+from retrace.errors import RetraceError
+
+LLAMACPP_TYPES = {"int4": "Q4_K_M", "int8": "Q8_0"}
+
+
+def parse(value: str) -> tuple[str, ...]:
+    """'fp32,int4:256' -> ('fp32', 'int4:256'), each checked."""
+    out = []
+    for item in (v.strip() for v in value.split(",")):
+        w, _, block = item.partition(":")
+        if w not in ("fp32", "int8", "int4") or (block and (w == "fp32" or not block.isdigit())):
+            raise RetraceError(f"--weights: {item!r} is not fp32, int8, int4 or int8/int4:BLOCK (e.g. int4:128)")
+        if item not in out:
+            out.append(item)
+    if not out:
+        raise RetraceError("--weights needs at least one precision, e.g. fp32,int4")
+    return tuple(out)
+
+
+def suffix(precision: str) -> str:
+    """The system-name suffix: '' (fp32), '-int4', '-int4b256'."""
+    if precision == "fp32":
+        return ""
+    w, _, block = precision.partition(":")
+    return f"-{w}" + (f"b{block}" if block else "")
+
+
+def llamacpp_type(precision: str) -> str | None:
+    return LLAMACPP_TYPES.get(precision.partition(":")[0])

@@ -1,0 +1,230 @@
+"""Weight-only int4 / int8 bundles: the exported graphs' linear layers as ONNX Runtime MatMulNBits.
+
+`retrace-export build --weights int4|int8` runs this after the fp32 graphs passed their parity check
+against torch. ONNX Runtime's own quantizer (`onnxruntime.quantization.matmul_nbits_quantizer`, round-to-
+nearest, symmetric blocks of `block_size` along K, the scales in the graph's float type) replaces every
+MatMul whose B operand is a constant 2-D initializer by a `com.microsoft.MatMulNBits` node. Activations
+stay float; `accuracy_level` 4 lets the CPU kernel quantize them to int8 per block on the fly
+(VNNI / AMX integer dot products: the fastest CPU form, what onnxruntime-genai's builder uses).
+
+The LM head is exported as the A operand of its MatMul (retrace.models.layers.lm_head), which the
+quantizer does not touch; `quantize_lm_head` first turns it into MatMul(rows, W^T) so that it is
+quantized too: at the Qwen3-0.6B shape the [151936, 1024] head is a quarter of a decode step's weight
+bytes. The tied embedding table stays float (its Gather reads only the rows of the step's tokens from the
+memory-mapped data file, so quantizing it saves disk, not resident memory or time). The drafter's copy of
+the head quantizes to the same bytes as the target's (`shared_target.<name>.T_Q4` beside `target.<name>
+.T_Q4`), so retrace.runtime.shared_weights still maps one copy for both sessions and, for a large head,
+retrace.runtime.lm_head_split runs it in one session of its own (retrace.runtime.lm_head_nbits).
+The drafter's GatedSuffixFusion node is a function call whose weights are function inputs: it stays float.
+
+`agreement` measures the quantized graph against the fp32 model on held-out random prompts (top-1
+agreement and max |logit error|): recorded in the manifest as information, not a gate. Speculative
+decoding stays exact relative to the quantized target itself (its own greedy decode), which is what the
+runtime's tests check.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrace.errors import RetraceError
+
+WEIGHTS = ("fp32", "int8", "int4")
+BITS = {"int4": 4, "int8": 8}
+# int4: block 128 of K (at the 0.6B shape 1.0x-1.1x the decode time of block 256, and a smaller error);
+# int8: block 128, as onnxruntime-genai's int8 CPU models
+DEFAULT_BLOCK = {"int4": 128, "int8": 128}
+DEFAULT_ACCURACY_LEVEL = 4  # int8 activations in the CPU kernel (MatMulNBits accuracy_level)
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+
+
+class QuantizeError(RetraceError):
+    """Bad quantization options or a graph the quantizer cannot handle."""
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """What --weights / --weight-block-size / --accuracy-level asked for (fp32: nothing to do)."""
+
+    weights: str = "fp32"
+    block_size: int | None = None
+    accuracy_level: int | None = None
+    lm_head: bool = True
+
+    def __post_init__(self):
+        if self.weights not in WEIGHTS:
+            raise QuantizeError(f"unknown --weights {self.weights!r} (choose from {', '.join(WEIGHTS)})")
+        if self.weights == "fp32":
+            if self.block_size is not None or self.accuracy_level is not None:
+                raise QuantizeError("--weight-block-size and --accuracy-level need --weights int4 or int8")
+            return
+        b = self.block
+        if b < 16 or b & (b - 1):
+            raise QuantizeError(f"--weight-block-size must be a power of two >= 16, got {b}")
+        if self.level not in ACCURACY_LEVELS:
+            raise QuantizeError(f"--accuracy-level must be one of {ACCURACY_LEVELS}, got {self.level}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.weights != "fp32"
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.weights]
+
+    @property
+    def block(self) -> int:
+        return self.block_size if self.block_size is not None else DEFAULT_BLOCK.get(self.weights, 0)
+
+    @property
+    def level(self) -> int:
+        return DEFAULT_ACCURACY_LEVEL if self.accuracy_level is None else self.accuracy_level
+
+    def manifest(self) -> dict:
+        return {"weights": self.weights, "bits": self.bits, "block_size": self.block,
+                "accuracy_level": self.level, "symmetric": True, "lm_head": self.lm_head,
+                "quantizer": "onnxruntime.quantization.matmul_nbits_quantizer (DEFAULT, RTN)"}
+
+
+def quantize_lm_head(model) -> str | None:
+    """Rewrite the exported LM head of `model` (changed in place) as MatMul(rows, W^T), W^T a new
+    initializer `<W>.T`, so the quantizer takes it; returns W's name, or None without that head."""
+    import onnx
+    from onnx import numpy_helper
+
+    from retrace.runtime.graph_prune import prune
+    from retrace.runtime.lm_head_split import rewrite_head
+
+    head = rewrite_head(Path(), cut=False, model=model)  # Gemm(rows, W, transB=1) -> Reshape -> logits
+    if not head.weight:
+        return None
+    rewritten = onnx.ModelProto.FromString(head.model)
+    g = rewritten.graph
+    gemm = next(n for n in g.node if n.op_type == "Gemm" and n.name == "lm_head_gemm")
+    w = next(i for i in g.initializer if i.name == head.weight)
+    wt = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(w).T), head.weight + ".T")
+    g.initializer.append(wt)
+    at = list(g.node).index(gemm)
+    g.node.remove(gemm)
+    g.node.insert(at, onnx.helper.make_node("MatMul", [gemm.input[0], wt.name], list(gemm.output), name="lm_head_matmul"))
+    prune(g)
+    model.CopyFrom(rewritten)
+    return head.weight
+
+
+def quantize_graph(path: Path, q: WeightQuant) -> dict:
+    """Quantize the graph at `path` (+ its external data) in place; returns its manifest record."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    path = Path(path)
+    model = onnx.load(str(path))  # the weights too: the quantizer reads them
+    head = quantize_lm_head(model) if q.lm_head else None
+    before = {n.name for n in model.graph.node if n.op_type == "MatMul"}
+    config = DefaultWeightOnlyQuantConfig(block_size=q.block, is_symmetric=True, accuracy_level=q.level,
+                                          bits=q.bits)
+    quantizer = MatMulNBitsQuantizer(model, bits=q.bits, block_size=q.block, is_symmetric=True,
+                                     accuracy_level=q.level, algo_config=config)
+    quantizer.process()
+    out = quantizer.model.model
+    nodes = sorted(n.name for n in out.graph.node if n.op_type == "MatMulNBits")
+    if not nodes:
+        raise QuantizeError(f"{path}: the quantizer found no MatMul with a constant weight to quantize")
+    data = path.with_name(path.name + ".data")
+    tmp = path.with_name(path.name + ".quantizing")
+    _save(out, tmp, data.name + ".quantizing")
+    # the new data file first, then the graph naming it (nothing half-written under the final names)
+    os.chmod(data.with_name(data.name + ".quantizing"), path.stat().st_mode & 0o777)  # onnx writes it 0600
+    os.replace(data.with_name(data.name + ".quantizing"), data)
+    _relocate(tmp, data.name)
+    os.replace(tmp, path)
+    left = sorted(before - {n[: -len(f"_Q{q.bits}")] for n in nodes})
+    return {"nodes": nodes, "float_matmuls": left, "lm_head": f"{head}.T" if head else None,
+            "data_bytes": data.stat().st_size}
+
+
+def _save(model, path: Path, location: str) -> None:
+    """Save with every float / uint8 weight in the external data file `location` (shared tensors must be
+    external to be mapped, however small; int64 shape constants stay inline, where shape inference reads
+    them)."""
+    import onnx
+    from onnx.external_data_helper import set_external_data
+
+    for t in model.graph.initializer:
+        if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.UINT8) and t.raw_data:
+            set_external_data(t, location)
+    onnx.save_model(model, str(path))
+
+
+def _relocate(graph: Path, location: str) -> None:
+    """Point every external tensor of the (external-data) graph file at `location`."""
+    import onnx
+
+    m = onnx.load(str(graph), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+    onnx.save_model(m, str(graph))
+
+
+@torch.no_grad()
+def agreement(target, path: Path, prompts: int = 4, length: int = 32, seed: int = 1234) -> dict:
+    """The quantized target graph at `path` against the fp32 torch target on `prompts` held-out random
+    prompts of `length` tokens (logits at every position): top-1 agreement and max |logit error|."""
+    from retrace.export.onnx_export import causal_mask, target_inputs, target_io
+    from retrace.export.onnx_parity import session
+
+    sess = session(path)
+    L = target.config.num_hidden_layers
+    tree = "tree_mask" in {i.name for i in sess.get_inputs()}
+    names_in = target_io(L, tree)[0]
+    length = max(1, min(length, target.config.max_position_embeddings))
+    args = target_inputs(target, prompts, length, 0, length, seed=seed)
+    if tree:
+        args = (*args, causal_mask(prompts, length))
+    past = args[4:4 + 2 * L]
+    ref = target(args[0], args[1], list(past[0::2]), list(past[1::2]), args[2], args[3])[0].float()
+    got = torch.from_numpy(sess.run(["logits"], {n: a.numpy() for n, a in zip(names_in, args, strict=True)})[0]).float()
+    return {"prompts": prompts, "tokens": prompts * length,
+            "top1_agreement": round(float((got.argmax(-1) == ref.argmax(-1)).float().mean()), 4),
+            "max_logit_error": round(float((got - ref).abs().max()), 4),
+            "max_abs_logit": round(float(ref.abs().max()), 4)}
+
+
+def quantize_bundle(graphs: dict, target, q: WeightQuant, note=None) -> dict:
+    """Quantize every exported graph (name -> onnx_export.ExportedGraph, their census updated) and measure
+    the target's agreement with the fp32 model: the manifest's `quantization` section."""
+    import collections
+    import logging
+
+    import onnx
+
+    record = q.manifest() | {"graphs": {}}
+    quant_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quant_log.level
+    quant_log.setLevel(logging.WARNING)  # it logs every node it visits at INFO
+    try:
+        for name, g in graphs.items():
+            record["graphs"][name] = quantize_graph(g.path, q)
+            ops = collections.Counter(n.op_type for n in onnx.load(str(g.path), load_external_data=False).graph.node)
+            g.op_counts, g.node_count = dict(ops), sum(ops.values())
+            if note:
+                note(f"{name}: {len(record['graphs'][name]['nodes'])} MatMulNBits, "
+                     f"{record['graphs'][name]['data_bytes'] / 2**20:.1f} MiB of weights")
+    finally:
+        quant_log.setLevel(level)
+    record["agreement_with_fp32"] = agreement(target, graphs["target"].path)
+    if note:
+        a = record["agreement_with_fp32"]
+        note(f"vs fp32 on {a['tokens']} held-out tokens: top-1 agreement {a['top1_agreement']:.1%}, "
+             f"max |logit error| {a['max_logit_error']:.3g} (information, not a gate)")
+    return record

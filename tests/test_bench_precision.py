@@ -1,0 +1,62 @@
+"""The bench's precision axis (retrace.bench.precision): `--weights` parsing, the systems' names at each
+precision, the quantized bundle the bench builds into its cache, and a missing llama.cpp that becomes a
+row saying how to install it instead of a failure."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from retrace.bench import precision
+from retrace.bench.runner import BenchConfig, Built, _retrace_names
+from retrace.errors import RetraceError
+
+
+def test_weights_parse_suffixes_and_gguf_types():
+    assert precision.parse("fp32, int4,int4:256,int4") == ("fp32", "int4", "int4:256")
+    assert [precision.suffix(w) for w in ("fp32", "int8", "int4:256")] == ["", "-int8", "-int4b256"]
+    assert [precision.llamacpp_type(w) for w in ("fp32", "int8", "int4:32")] == [None, "Q8_0", "Q4_K_M"]
+    for bad in ("int3", "fp32:64", "int4:x", ""):
+        with pytest.raises(RetraceError, match="--weights"):
+            precision.parse(bad)
+
+
+def test_quantized_systems_are_named_by_precision():
+    cfg = BenchConfig(target="t", drafter="d", prompts=[], systems=("*-int4",), prompt_lookup=True)
+    names = [n for n, _, _ in _retrace_names("onnxruntime", cfg, "-int4")]
+    assert names == ["retrace-onnxruntime-ar-int4", "retrace-onnxruntime-dflash-int4",
+                     "retrace-onnxruntime-retrace-int4", "retrace-onnxruntime-dflash-fixed-int4",
+                     "retrace-onnxruntime-retrace-fixed-int4", "retrace-onnxruntime-dflash-lookup-int4",
+                     "retrace-onnxruntime-retrace-lookup-int4"]
+    assert _retrace_names("onnxruntime", cfg) == []  # the fp32 names do not match *-int4
+
+
+def test_missing_llama_cpp_is_a_row_with_the_install_command(monkeypatch, tmp_path):
+    from retrace.bench.llamacpp_peers import add_llamacpp_systems
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    built = Built()
+    cfg = BenchConfig(target=str(tmp_path), drafter=str(tmp_path), prompts=[], weights=("fp32", "int4", "int8"))
+    add_llamacpp_systems(built, cfg, tmp_path, 2, [], lambda msg: None)
+    assert not built.systems
+    assert [s["name"] for s in built.skipped] == ["llamacpp-ar-q4_k_m", "llamacpp-ngram-q4_k_m",
+                                                  "llamacpp-ar-q8_0", "llamacpp-ngram-q8_0"]
+    assert all("pip install llama-cpp-python" in s["reason"] for s in built.skipped)
+
+
+def test_the_bench_builds_a_quantized_bundle_into_its_cache(monkeypatch, tmp_path):
+    """build_ort_bundle at int4:64 runs `retrace-export build --weights int4 --weight-block-size 64` into a
+    cache entry of its own (the fp32 entry keeps its key)."""
+    from retrace.bench import builds
+
+    seen = []
+    monkeypatch.setattr(builds, "_run", lambda cmd, what, log: seen.append(cmd) or 0.0)
+    monkeypatch.setattr(builds, "exporter_available", lambda: None)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps({}))
+    q, _ = builds.build_ort_bundle(tmp_path / "t", tmp_path / "t", tmp_path / "cache", 4, 512, "int4:64")
+    f, _ = builds.build_ort_bundle(tmp_path / "t", tmp_path / "t", tmp_path / "cache", 4, 512)
+    assert q != f
+    assert seen[0][-4:] == ["--weights", "int4", "--weight-block-size", "64"] and "--weights" not in seen[1]

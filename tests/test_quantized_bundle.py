@@ -1,0 +1,185 @@
+"""int4 weight-only bundles (`retrace-export build --weights int4`, retrace.export.quantize): every linear
+layer and the LM head of both graphs run as ONNX Runtime MatMulNBits, the manifest says so, and speculative
+decoding stays lossless relative to the deployed (quantized) target: dflash / retrace greedy outputs equal
+the bundle's own `ar` output token for token (batch 1 and ragged batches, accepted and rejected drafts,
+trees, prompt lookup, the LM head in a session of its own), and sampled outputs follow the quantized
+target's own distribution (chi-square against the exact joint computed from the bundle's target graph).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from runtime_fixtures import OracleDrafter, write_pair
+from test_runtime_sampling import ALPHA, chi_square
+
+from retrace.errors import RetraceError
+from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from retrace.runtime.prompt_lookup import PromptLookup
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+V, BLOCK, MAX_BATCH, MAX_SEQ, MAX_NEW = 16, 8, 8, 128, 40
+
+
+@pytest.fixture(scope="module")
+def qbundle(tmp_path_factory, one_thread):
+    from retrace.export.cli import main
+
+    root = tmp_path_factory.mktemp("int4")
+    target, drafter = write_pair(root, vocab=V, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=48,
+                                 block_size=BLOCK, conditioner="random", seed=7)
+    bundle = root / "bundle"
+    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out", str(bundle),
+                                    "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ), "--tree-mask",
+                                    "--weights", "int4", "--weight-block-size", "16", "--quiet"])
+    assert res.exit_code == 0, res.output
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, V - 1, (n,), generator=g).tolist() for n in (5, 1, 9, 3, 12)]
+    own = Runtime.from_bundle(bundle, threads=1).generate(prompts, SamplingParams(max_new_tokens=MAX_NEW + BLOCK + 2),
+                                                          "ar")
+    return bundle, prompts, [r.token_ids for r in own]
+
+
+def _runtime(bundle, seqs=None, **kw) -> Runtime:
+    be_kw = {k: kw.pop(k) for k in ("lm_head_session", "max_batch") if k in kw}
+    be = OnnxRuntimeBackend.from_bundle(bundle, threads=1, **be_kw)
+    return Runtime(OracleDrafter(be, seqs, seed=2) if seqs else be, verify_policy=kw.pop("verify_policy", "fixed"),
+                   **kw)
+
+
+def test_manifest_records_the_quantization(qbundle):
+    bundle = qbundle[0]
+    m = json.loads((bundle / "manifest.json").read_text())
+    q = m["quantization"]
+    assert (m["weights"], q["bits"], q["block_size"], q["accuracy_level"], q["symmetric"]) == ("int4", 4, 16, 4, True)
+    for name in ("target", "drafter"):
+        proto = onnx.load(str(bundle / name / "model.onnx"), load_external_data=False)
+        nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+        assert sorted(n.name for n in nbits) == q["graphs"][name]["nodes"]
+        # every linear layer and the LM head: no float MatMul with a constant weight is left
+        inits = {i.name for i in proto.graph.initializer}
+        assert not [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+        assert q["graphs"][name]["lm_head"].endswith("lm_head.weight.T")
+        assert all({a.name: a.i for a in n.attribute}["block_size"] == 16 for n in nbits)
+        assert m["graphs"][name]["ops"]["MatMulNBits"] == len(nbits)
+    proto = onnx.load(str(bundle / "drafter" / "model.onnx"), load_external_data=False)
+    assert [n.op_type for n in proto.graph.node].count("GatedSuffixFusion") == 1  # the custom node survives
+    # the drafter's quantized LM head is the target's, byte for byte: one mapped copy for both sessions
+    assert m["graphs"]["drafter"]["shared_initializers"] == {
+        "shared_target.model.embed_tokens.weight": "target.model.embed_tokens.weight",
+        "shared_target.lm_head.weight.T_Q4": "target.lm_head.weight.T_Q4",
+        "shared_target.lm_head.weight.T_scales": "target.lm_head.weight.T_scales"}
+    a = q["agreement_with_fp32"]
+    assert a["tokens"] == 128 and 0 < a["top1_agreement"] <= 1 and 0 < a["max_logit_error"] < a["max_abs_logit"]
+    assert m["parity"]["target"]["max_scaled_logits_diff"] < 1e-4  # fp32 graphs checked before quantizing
+
+
+@pytest.mark.parametrize("mode", ["dflash", "retrace"])
+def test_greedy_equals_the_bundles_own_ar(qbundle, mode):
+    """Random drafter (mostly rejected) at batch 1 and 5 with the adaptive policy, and an oracle drafter
+    (every acceptance length, ragged batches, slots reused: 5 requests through 4 rows) with the fixed one."""
+    bundle, prompts, own = qbundle
+    want = [o[:MAX_NEW] for o in own]
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    for batch in (1, 5):
+        res = Runtime.from_bundle(bundle, threads=1).generate(prompts[:batch], params, mode)
+        assert [r.token_ids for r in res] == want[:batch], (mode, batch)
+    seqs = {tuple(p): p + o for p, o in zip(prompts, own, strict=True)}
+    rt_rows = _runtime(bundle, seqs, max_batch=4)
+    res = rt_rows.generate(prompts, params, mode)
+    assert [r.token_ids for r in res] == want
+    stats = rt_rows.run_stats()
+    assert stats["tau"] > 1.5 and all(n > 0 for n in stats["accepted_hist"]), stats["accepted_hist"]
+
+
+def test_trees_prompt_lookup_and_the_lm_head_session(qbundle):
+    bundle, prompts, own = qbundle
+    want = [o[:MAX_NEW] for o in own]
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    seqs = {tuple(p): p + o for p, o in zip(prompts, own, strict=True)}
+    rt = _runtime(bundle, seqs, tree_budget=12)
+    assert [r.token_ids for r in rt.generate(prompts, params, "retrace")] == want
+    assert rt.run_stats()["tau"] > 1.5
+    rt = Runtime.from_bundle(bundle, threads=1, prompt_lookup=PromptLookup(max_rows=4))
+    assert [r.token_ids for r in rt.generate(prompts, params, "retrace")] == want
+    # the quantized head cut off both graphs into one MatMulNBits session (forced: it is tiny here)
+    rt = _runtime(bundle, seqs, lm_head_session=True)
+    assert rt.backend.inner.head is not None and rt.backend.inner.tgraph.rows
+    assert [r.token_ids for r in rt.generate(prompts, params, "dflash")] == want
+    ar = Runtime(OnnxRuntimeBackend.from_bundle(bundle, threads=1, lm_head_session=True)).generate(prompts, params, "ar")
+    assert [r.token_ids for r in ar] == want
+
+
+def test_sampling_follows_the_quantized_targets_distribution(qbundle):
+    """retrace-mode sampling (T=1) on the int4 bundle: tokens 2-3 follow the exact joint computed from the
+    bundle's own target graph (alpha 0.01), so acceptance uses the deployed target's probabilities."""
+    bundle, _, _ = qbundle
+    prompt, n = [3, 1, 4, 1, 5], 3000
+    be = OnnxRuntimeBackend.from_bundle(bundle, threads=1)
+    prefixes = [prompt + list(t) for t in itertools.product(range(V), repeat=2)]  # [V^2] prompt + t1 t2
+    probs = []
+    for i in range(0, len(prefixes), MAX_BATCH):
+        ids = torch.tensor(prefixes[i:i + MAX_BATCH])
+        N, T = ids.shape
+        logits, _ = be.target(torch.arange(N), ids, torch.arange(T).expand(N, T), torch.tensor([[T - 3, T - 2, T - 1]] * N))
+        probs.append(logits.double().softmax(-1))
+    probs = torch.cat(probs).view(V, V, 3, V)  # [t1, t2, position, next]
+    joint = probs[0, 0, 0][:, None, None] * probs[:, 0, 1][:, :, None] * probs[:, :, 2]  # P(t1, t2, t3)
+    tail = {k: float(joint.sum(0)[k]) for k in itertools.product(range(V), repeat=2)}
+    rt = Runtime(be, verify_policy="fixed")
+    sched = rt.scheduler()
+    reqs = [sched.add(prompt, SamplingParams(max_new_tokens=3, temperature=1.0, seed=i), "retrace") for i in range(n)]
+    while sched.has_work:
+        sched.step()
+    p_value, df, _ = chi_square([tuple(r.output_ids[1:3]) for r in reqs], tail)
+    assert p_value > ALPHA, f"chi-square p={p_value:.2e} (df {df})"
+    assert rt.run_stats()["tau"] > 1.0
+
+
+def test_bad_quantization_options_are_refused(tmp_path):
+    from retrace.export.cli import main
+
+    cases = [(["--weights", "int4", "--weight-block-size", "24"], "power of two"),
+             (["--weight-block-size", "32"], "need --weights int4 or int8"),
+             (["--weights", "int8", "--dtype", "float16"], "--dtype float32")]
+    for extra, msg in cases:
+        res = CliRunner().invoke(main, ["build", "--target", str(tmp_path), "--out", str(tmp_path / "b"), *extra])
+        assert res.exit_code != 0 and msg in res.output, (extra, res.output)
+        assert not (tmp_path / "b").exists()
+    with pytest.raises(RetraceError, match="accuracy-level"):
+        from retrace.export.quantize import WeightQuant
+
+        WeightQuant("int4", accuracy_level=5)
+
+
+def test_int8_graphs_of_the_session_bundle_decode_like_their_own_ar(tmp_path):
+    """quantize_graph at int8 on a copy of the session's fp32 bundle (no new export): every mode, with the
+    LM head in the graphs or in its own session, gives the int8 target's own greedy tokens."""
+    from export_fixtures import copy_bundle
+
+    from retrace.engines.bundle import write_manifest
+    from retrace.export.quantize import WeightQuant, quantize_graph
+    from retrace.runtime.shared_weights import shared_pairs
+
+    bundle = copy_bundle(tmp_path / "int8")
+    m = json.loads((bundle / "manifest.json").read_text())
+    for name in ("target", "drafter"):
+        assert quantize_graph(bundle / name / "model.onnx", WeightQuant("int8", 32))["lm_head"]
+    m["graphs"]["drafter"]["shared_initializers"] = shared_pairs(bundle / "target" / "model.onnx",
+                                                                 bundle / "drafter" / "model.onnx")
+    assert "shared_target.lm_head.weight.T_Q8" in m["graphs"]["drafter"]["shared_initializers"]
+    m.pop("files")
+    write_manifest(bundle, m)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    params = SamplingParams(max_new_tokens=24)
+    want = [r.token_ids for r in Runtime.from_bundle(bundle, threads=1).generate(prompts, params, "ar")]
+    for mode, head in (("dflash", None), ("retrace", None), ("retrace", True), ("ar", True)):
+        rt = Runtime.from_bundle(bundle, threads=1, lm_head_session=head)
+        assert [r.token_ids for r in rt.generate(prompts, params, mode)] == want, (mode, head)
