@@ -101,20 +101,35 @@ class LmHead:
 
     def __init__(self, graph_path: Path, weight: str, options, providers: list):
         import onnx
-        import onnxruntime as ort
-        from onnx import helper
 
         w = next((i for i in onnx.load(str(graph_path), load_external_data=False).graph.initializer
                   if i.name == weight), None)
         if w is None or len(w.dims) != 2:
             raise BundleError(f"{graph_path}: no [V, d] initializer {weight!r} for the LM head")
+        options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(graph_path.parent))
+        self._open(w, options, providers)
+
+    @classmethod
+    def of_rows(cls, table: np.ndarray, options, providers: list) -> LmHead:
+        """A head over the given [V', d] rows (a draft vocabulary's rows of the target's table, a copy that
+        ONNX Runtime packs and then drops: the packed rows are the only copy kept)."""
+        from onnx import numpy_helper
+
+        head = cls.__new__(cls)
+        head._open(numpy_helper.from_array(np.ascontiguousarray(table), "lm_head_rows"), options, providers)
+        return head
+
+    def _open(self, w, options, providers: list) -> None:
+        import onnxruntime as ort
+        from onnx import helper
+
         V, d = (int(x) for x in w.dims)
+        weight = w.name
         graph = helper.make_graph([helper.make_node("Gemm", ["rows", weight], ["logits"], transB=1)], "lm_head",
                                   [helper.make_tensor_value_info("rows", w.data_type, ["rows", d])],
                                   [helper.make_tensor_value_info("logits", w.data_type, ["rows", V])], [w])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         model.ir_version = 8
-        options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(graph_path.parent))
         self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         self.vocab, self.dtype = V, {1: torch.float32, 10: torch.float16}[w.data_type]
         self._np = {torch.float32: np.float32, torch.float16: np.float16}[self.dtype]

@@ -23,6 +23,11 @@ graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as 
 their LM head runs in a third session, the only one that prepacks it (retrace.runtime.lm_head_split;
 `lm_head_session` forces it on or off; by default on for a table of 16 MiB or more).
 
+Draft vocabulary (a bundle whose manifest has models.drafter.draft_vocab; retrace.models.draft_vocab): the
+drafter graph's head is cut off and its rows are scored in a session of their own over the subset's rows of
+the target's (mapped) table, sliced at load time; the logits come back at target ids (-inf outside).
+`draft_vocab=False` keeps the full head.
+
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
 explicitly). Inputs and outputs stay in host memory (ONNX Runtime copies them to and from the device).
 """
@@ -39,6 +44,7 @@ import torch
 from retrace.engines.bundle import Bundle, BundleError
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
+from retrace.models.draft_vocab import DraftVocab
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.kv_inplace import BIAS, to_inplace_kv, tree_bias
@@ -49,7 +55,7 @@ from retrace.runtime.lm_head_split import (
     LmHead,
     rewrite_head,
 )
-from retrace.runtime.shared_weights import SharedWeights
+from retrace.runtime.shared_weights import SharedWeights, map_initializer
 
 _NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
        "tensor(double)": np.float64, "tensor(bfloat16)": None, "tensor(bool)": np.bool_}
@@ -172,7 +178,7 @@ class OnnxRuntimeBackend:
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, providers: list | None = None, kv_mode: str | None = None,
                  session_options: dict | None = None, share_weights: bool = True,
-                 lm_head_session: bool | None = None):
+                 lm_head_session: bool | None = None, draft_vocab: bool = True):
         _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
         if kv_mode is not None and kv_mode not in KV_MODES:
@@ -229,6 +235,11 @@ class OnnxRuntimeBackend:
             t_head = rewrite_head(t_path, cut=self.head is not None)
             self.tgraph = _Graph(t_path, _session_options(threads, session_options), self.providers, "target",
                                  self.shared.target if self.shared else None, t_head)
+        self.draft_vocab = bundle_draft_vocab(bundle, self.target_config.vocab_size) if (
+            draft_vocab and self.drafter_config is not None) else None
+        self.draft_head = None
+        if self.draft_vocab is not None:
+            d_head = self._draft_vocab_head(d_path, threads, session_options) or d_head
         self.dgraph = None
         if self.drafter_config is not None:
             self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
@@ -249,6 +260,22 @@ class OnnxRuntimeBackend:
             self.dcache = _Cache(dc.num_hidden_layers, self.max_batch, dc.num_key_value_heads, self.max_seq_len,
                                  dc.head_dim, self.dgraph.dtype("past_key_0"))
         self._taps_width = len(tm.get("tap_layers") or ()) * tc.hidden_size
+
+    def _draft_vocab_head(self, d_path: Path, threads, session_options) -> HeadGraph | None:
+        """The drafter graph with its head cut off, and self.draft_head: a session over the draft vocabulary's
+        rows of the table (the target's mapping when shared: no second copy read); None (the full head,
+        restricted) for a graph without the exported head."""
+        head = rewrite_head(d_path, cut=True)
+        if head is None:
+            return None
+        t_name = self.shared.pairs.get(head.weight) if self.shared is not None else None
+        table = self.shared.arrays[t_name] if t_name is not None else map_initializer(d_path, head.weight)
+        if table.shape[0] != self.target_config.vocab_size:
+            raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target vocab's "
+                              f"{self.target_config.vocab_size}")
+        self.draft_head = LmHead.of_rows(table[self.draft_vocab.ids.numpy()],
+                                         _session_options(threads, session_options), self.providers)
+        return head
 
     def _inplace_target(self, path: Path, kv_mode: str | None):
         """(the target graph rewritten for in-place K/V, its InplaceKV) or (None, None) where the mode is
@@ -376,7 +403,12 @@ class OnnxRuntimeBackend:
         g.run(feeds, out)
         self.dcache.write(slots, ctx_positions, new)
         hidden = out["hidden"]
-        logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
+        if self.draft_head is not None:
+            logits = self.draft_vocab.expand(self.draft_head(out[g.rows], (N, B - 1)))
+        elif self.draft_vocab is not None:  # a drafter graph whose head could not be cut off
+            logits = self.draft_vocab.restrict(out["logits"])
+        else:
+            logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
         return (hidden if hidden.dtype == torch.float32 else hidden.float()), logits
 
     def commit_path(self, slots, src_index, dst_pos) -> None:
@@ -385,6 +417,20 @@ class OnnxRuntimeBackend:
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
+
+
+def bundle_draft_vocab(bundle: Bundle, vocab_size: int) -> DraftVocab | None:
+    """The draft vocabulary the manifest lists (models.drafter.draft_vocab), validated; None without one."""
+    entry = (bundle.model("drafter") or {}).get("draft_vocab")
+    if not entry:
+        return None
+    where = bundle.root / "manifest.json"
+    if not isinstance(entry, dict) or not isinstance(entry.get("dir"), str):
+        raise BundleError(f"{where}: models.drafter.draft_vocab must name the folder of its files ('dir')")
+    vocab = DraftVocab.load(bundle.root / entry["dir"], vocab_size)
+    if vocab is None:
+        raise BundleError(f"{bundle.root / entry['dir']}: the draft vocabulary the manifest lists is missing")
+    return vocab
 
 
 def _session_options(threads: int | None, entries: dict | None):
