@@ -238,6 +238,11 @@ def test_bundle_records_the_map_and_ort_head_matches_torch(world):
     ids = be.draft_vocab.ids
     torch.testing.assert_close(s[..., ids], a[..., ids].float(), rtol=1e-4, atol=1e-4)
     assert torch.isneginf(s).sum() == s[..., 0].numel() * (VOCAB - ids.numel())
+    be.use_draft_vocab(None)  # the full head again, on the same loaded bundle
+    _, f = be.draft(slots, ctx, pos, block, bpos, None)
+    torch.testing.assert_close(f.float(), a.float(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RetraceError, match="needs a backend opened on a bundle with a draft vocabulary"):
+        full.use_draft_vocab(world["vocab"])
 
 
 def test_subset_of_every_draft_gives_the_full_heads_drafts(world, monkeypatch, tmp_path):

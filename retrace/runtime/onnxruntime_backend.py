@@ -237,7 +237,7 @@ class OnnxRuntimeBackend:
                                  self.shared.target if self.shared else None, t_head)
         self.draft_vocab = bundle_draft_vocab(bundle, self.target_config.vocab_size) if (
             draft_vocab and self.drafter_config is not None) else None
-        self.draft_head = None
+        self.draft_head = self._draft_table = None
         if self.draft_vocab is not None:
             d_head = self._draft_vocab_head(d_path, threads, session_options) or d_head
         self.dgraph = None
@@ -263,19 +263,36 @@ class OnnxRuntimeBackend:
 
     def _draft_vocab_head(self, d_path: Path, threads, session_options) -> HeadGraph | None:
         """The drafter graph with its head cut off, and self.draft_head: a session over the draft vocabulary's
-        rows of the table (the target's mapping when shared: no second copy read); None (the full head,
-        restricted) for a graph without the exported head."""
+        rows of the table; None (the full head, restricted) for a graph without the exported head."""
         head = rewrite_head(d_path, cut=True)
         if head is None:
             return None
-        t_name = self.shared.pairs.get(head.weight) if self.shared is not None else None
-        table = self.shared.arrays[t_name] if t_name is not None else map_initializer(d_path, head.weight)
+        self._draft_table = (d_path, head.weight)
+        self._head_options = (threads, session_options)
+        self.use_draft_vocab(self.draft_vocab)
+        return head
+
+    def use_draft_vocab(self, vocab: DraftVocab | None) -> None:
+        """Draft over `vocab` from now on (None: the full head), e.g. to compare sizes on one loaded bundle;
+        needs a backend loaded with a draft vocabulary (the drafter graph's head cut off)."""
+        if self._draft_table is None:
+            raise RetraceError("use_draft_vocab needs a backend opened on a bundle with a draft vocabulary")
+        if vocab is not None and vocab.target_vocab_size != self.target_config.vocab_size:
+            raise RetraceError(f"the draft vocabulary is over {vocab.target_vocab_size} ids, the target's over "
+                               f"{self.target_config.vocab_size}")
+        d_path, weight = self._draft_table
+        # the target's mapping when the table is shared (no second copy read), else the drafter graph's own
+        t_name = self.shared.pairs.get(weight) if self.shared is not None else None
+        table = self.shared.arrays[t_name] if t_name is not None else map_initializer(d_path, weight)
         if table.shape[0] != self.target_config.vocab_size:
             raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target vocab's "
                               f"{self.target_config.vocab_size}")
-        self.draft_head = LmHead.of_rows(table[self.draft_vocab.ids.numpy()],
-                                         _session_options(threads, session_options), self.providers)
-        return head
+        self.draft_vocab = vocab
+        self.draft_head = None if vocab is None else LmHead.of_rows(
+            table[vocab.ids.numpy()], _session_options(*self._head_options), self.providers)
+        if vocab is None and self.head is None:  # the full head: rows of the whole table, in a session too
+            self.draft_head, self.draft_vocab = LmHead.of_rows(table, _session_options(*self._head_options),
+                                                               self.providers), None
 
     def _inplace_target(self, path: Path, kv_mode: str | None):
         """(the target graph rewritten for in-place K/V, its InplaceKV) or (None, None) where the mode is
@@ -404,7 +421,8 @@ class OnnxRuntimeBackend:
         self.dcache.write(slots, ctx_positions, new)
         hidden = out["hidden"]
         if self.draft_head is not None:
-            logits = self.draft_vocab.expand(self.draft_head(out[g.rows], (N, B - 1)))
+            logits = self.draft_head(out[g.rows], (N, B - 1))
+            logits = logits if self.draft_vocab is None else self.draft_vocab.expand(logits)
         elif self.draft_vocab is not None:  # a drafter graph whose head could not be cut off
             logits = self.draft_vocab.restrict(out["logits"])
         else:
