@@ -148,11 +148,15 @@ def dflash_cmd(target_dir, data, chat, fsdp, num_prompts, val_prompts, max_new_t
 @click.option("--num-prompts", type=int, default=None, help="use only the first N prompts")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--max-prompt-len", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="the target's responses to --data: greedy (0) or sampled (a sampling workload: its tokens reach "
+              "beyond the greedy ones)")
+@click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU threads")
 @click.option("--json", "as_json", is_flag=True, help="print the map's metadata as JSON")
 @cli_errors
 def draft_vocab_cmd(target_dir, drafter_dir, data, responses, size, coverage, num_prompts, max_new_tokens,
-                    max_prompt_len, threads, as_json) -> None:
+                    max_prompt_len, temperature, seed, threads, as_json) -> None:
     """The drafter's LM head over the target ids its responses use most (EAGLE-3 style d2t/t2d map)."""
     from retrace.train.common import torch_threads
     from retrace.train.draft_vocab import make_draft_vocab
@@ -160,7 +164,7 @@ def draft_vocab_cmd(target_dir, drafter_dir, data, responses, size, coverage, nu
     with torch_threads(threads):
         vocab = make_draft_vocab(target_dir, drafter_dir, data=data, responses=responses, size=size,
                                  coverage=coverage, max_new_tokens=max_new_tokens, num_prompts=num_prompts,
-                                 max_prompt_len=max_prompt_len)
+                                 max_prompt_len=max_prompt_len, temperature=temperature, seed=seed)
     meta = {**vocab.meta, "draft_vocab_size": vocab.size, "target_vocab_size": vocab.target_vocab_size}
     click.echo(json.dumps(meta, indent=2) if as_json else
                f"draft vocabulary: {vocab.size} of {vocab.target_vocab_size} ids, coverage {vocab.coverage:.4f} "

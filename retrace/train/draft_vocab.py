@@ -2,7 +2,8 @@
 written into the drafter directory (both files atomically; a drafter's weights are not touched, so this
 applies post hoc to any drafter, e.g. the zoo's, whose head is the target's table).
 
-Responses: the target's own greedy continuations of --data prompts (what the drafter is trained on), or a
+Responses: the target's own continuations of --data prompts (greedy: what the drafter is trained on; a
+sampling workload wants --temperature 1, since the tokens a target samples reach beyond its greedy ones), or a
 given file: the DFlash trainer's cache (DRAFTER/train_data/responses.json, {"responses": [[ids], ...]}) or
 JSONL rows {"response_ids": [...]}. The subset: the most frequent ids (plus the target's EOS ids), `size`
 of them or the fewest that cover `coverage` of the counted tokens.
@@ -37,8 +38,8 @@ def read_responses(path: str | Path) -> list[list[int]]:
     return seqs
 
 
-def greedy_responses(target_dir: Path, data: Path, max_new_tokens: int, num_prompts: int | None,
-                     max_prompt_len: int, batch: int) -> list[list[int]]:
+def target_responses(target_dir: Path, data: Path, max_new_tokens: int, num_prompts: int | None,
+                     max_prompt_len: int, batch: int, temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
     from retrace.models.target import Qwen3Target
     from retrace.runtime.tokenizer import TextCodec
     from retrace.train.datasets_io import plain_prompts, read_rows
@@ -49,13 +50,13 @@ def greedy_responses(target_dir: Path, data: Path, max_new_tokens: int, num_prom
         raise RetraceError(f"{data}: no prompts")
     prompts = [p[-max_prompt_len:] for p in plain_prompts(rows, TextCodec.find(target_dir))]
     target = Qwen3Target.from_pretrained(target_dir, tap_layers=())
-    return generate(target, prompts, max_new_tokens, batch)
+    return generate(target, prompts, max_new_tokens, batch, temperature=temperature, seed=seed)
 
 
 def make_draft_vocab(target_dir: str | Path, drafter_dir: str | Path, *, data: str | Path | None = None,
                      responses: str | Path | None = None, size: int | None = None, coverage: float | None = None,
                      max_new_tokens: int = 128, num_prompts: int | None = None, max_prompt_len: int = 256,
-                     batch: int = 32) -> DraftVocab:
+                     batch: int = 32, temperature: float = 0.0, seed: int = 0) -> DraftVocab:
     """Compute the draft vocabulary and write it into drafter_dir (see the module docstring)."""
     from retrace.models.config import DrafterConfig, Qwen3Config
 
@@ -73,8 +74,12 @@ def make_draft_vocab(target_dir: str | Path, drafter_dir: str | Path, *, data: s
     if responses is not None:
         seqs, source = read_responses(responses), {"responses": str(Path(responses).resolve())}
     else:
-        seqs = greedy_responses(target_dir, Path(data), max_new_tokens, num_prompts, max_prompt_len, batch)
-        source = {"prompts": str(Path(data).resolve()), "max_new_tokens": max_new_tokens, "greedy": True}
+        if temperature < 0:
+            raise RetraceError(f"--temperature {temperature} must be >= 0")
+        seqs = target_responses(target_dir, Path(data), max_new_tokens, num_prompts, max_prompt_len, batch,
+                                temperature, seed)
+        source = {"prompts": str(Path(data).resolve()), "max_new_tokens": max_new_tokens,
+                  "temperature": temperature}
     counts = count_tokens(seqs, tcfg.vocab_size)
     if not int(counts.sum()):
         raise RetraceError("the responses hold no tokens")
