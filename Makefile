@@ -57,7 +57,7 @@ bench-scale: $(STAMP)
 	$(BIN)/retrace zoo draft-ar --from $(ZOO) --quiet
 	$(BIN)/retrace zoo inflate --from $(ZOO) --out $(SCALE_ZOO) --shape qwen3-0.6b --quiet
 	test -f $(SCALE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --out $(SCALE_BUNDLE) --max-batch 4 --max-seq-len 512
-	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 4 --max-new-tokens 48 --threads 2 --peer-env defaults --prompt-lookup --weights $(SCALE_WEIGHTS) --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
+	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 32 --max-new-tokens 96 --threads 2 --peer-env defaults --prompt-lookup --weights $(SCALE_WEIGHTS) --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
 
 # Servers under load (benchmarks, not in CI), on a bundle of the zoo pair (built once):
 #  serve-bench: `retrace serve` under AIPerf (in its own venv: its pins are not the project's), OpenAI

@@ -111,6 +111,10 @@ def test_json_has_every_system_and_field(run):
             assert s["tokens_per_run"] == 2 * N and s["exact_length"]
         assert entry(r, "hf-ar", b)["tau"] is None and entry(r, "retrace-torch-ar", b)["tau"] is None
         assert entry(r, "retrace-torch-dflash", b)["tau"] >= 1.0
+        d = entry(r, "retrace-torch-dflash", b)  # tau per prompt beside the pooled one: 2 prompts
+        per = d["tau_per_prompt"]
+        assert len(per) == 2 and min(per) <= d["tau"] <= max(per)
+        assert d["tau_prompt_mean"] == pytest.approx(sum(per) / 2)
         ts = entry(r, "retrace-torch-retrace-fixed", b)["time_split"]  # (adaptive: maybe no draft call)
         assert ts["draft_s"] > 0 and ts["verify_s"] > 0 and 0 <= ts["outside_forward_share"] <= 1
         fixed, adaptive = entry(r, "retrace-torch-retrace-fixed", b), entry(r, "retrace-torch-retrace", b)

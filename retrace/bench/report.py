@@ -43,6 +43,19 @@ def rows(results: dict) -> list[dict]:
     return out
 
 
+def tau_lines(results: dict) -> list[str]:
+    """tau pooled and per prompt for each drafting system at batch 1 (pooled: tokens per round over all
+    the prompts' rounds; per prompt: each prompt's own, summarised)."""
+    out = []
+    for s in results["systems"]:
+        per = s.get("tau_per_prompt")
+        if s["status"] != "ok" or s["batch_size"] != 1 or not per or s["mode"] == "ar":
+            continue
+        out.append(f"{s['name']}: pooled {s['tau']:.2f}, per prompt mean {s['tau_prompt_mean']:.2f}, median "
+                   f"{s['tau_prompt_median']:.2f}, range {min(per):.2f}-{max(per):.2f} over {len(per)} prompts")
+    return out
+
+
 def fidelity_line(results: dict) -> str:
     f = results.get("fidelity")
     if not f:
@@ -143,6 +156,8 @@ def print_results(results: dict, console=None) -> None:
                   *(_f(r[col], "{:.2f}x", "") for _, col in PEER_COLUMNS), r["agree"])
     console.print(t)
     console.print(fidelity_line(results))
+    for line in tau_lines(results):
+        console.print(f"tau at batch 1, {line}")
     a = results.get("agreement") or {}
     if a:
         console.print(f"agreement with {a['reference']}: {a['total_mismatched_prompts']} mismatched prompt outputs "
@@ -182,6 +197,9 @@ def render_markdown(results: dict) -> str:
                      r["split"], *(_f(r[col], "{:.2f}x", "") for _, col in PEER_COLUMNS), r["agree"]]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", fidelity_line(results), ""]
+    taus = tau_lines(results)
+    if taus:
+        lines += ["tau at batch 1 (pooled over all rounds, and per prompt): " + "; ".join(taus) + ".", ""]
     spec = speculative_lines(results)
     if spec:
         lines += ["onnxruntime-genai speculative peers: " + "; ".join(spec) + ".", ""]

@@ -484,6 +484,14 @@ def _tau(accepted: list[list[int]] | None) -> tuple[float | None, int]:
     return sum(x + 1 for a in accepted for x in a) / rounds, rounds
 
 
+def per_prompt_tau(accepted: list[list[int]] | None) -> dict:
+    """tau of each prompt (its own tokens per round) and their mean and median: {} without round counts."""
+    per = [t for t in (_tau([a])[0] for a in accepted or []) if t is not None]
+    if not per:
+        return {}
+    return {"tau_per_prompt": per, "tau_prompt_mean": statistics.fmean(per), "tau_prompt_median": statistics.median(per)}
+
+
 def _hist(accepted: list[list[int]]) -> list[int]:
     h: list[int] = []
     for a in accepted:
@@ -550,7 +558,8 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
                 "spread": _spread(tps),
                 "wall_s_runs": [r.wall_s for r in rs],
                 "tokens_per_run": sum(len(o) for o in rs[0].outputs),
-                "tau": tau,
+                "tau": tau,  # pooled: tokens per round over every prompt's rounds
+                **per_prompt_tau(rs[0].accepted),
                 "rounds": rounds if rs[0].accepted is not None or spec is not None else None,
                 "speculative_stats": spec,
                 "accepted_hist": _hist(rs[0].accepted) if rs[0].accepted is not None else None,

@@ -219,6 +219,9 @@ def _validate(opts: BuildOptions):
             from retrace.models.config import read_json
 
             read_json(opts.drafter / "retrace_config.json")
+        from retrace.models.draft_vocab import DraftVocab
+
+        DraftVocab.load(opts.drafter, tcfg.vocab_size)  # a broken map fails before any export
     elif opts.block_size is not None:
         raise BuildError("--block-size needs --drafter")
     return tcfg, dcfg
@@ -259,7 +262,9 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
             # a target-only bundle (ar mode): still tap the middle layer so the graph I/O is uniform
             target, drafter = Qwen3Target.from_pretrained(opts.target, (tcfg.num_hidden_layers // 2,), dtype), None
         else:
-            target, drafter = load_pair(opts.target, opts.drafter, dtype=dtype, load_conditioner=opts.conditioner)
+            # the graph keeps the full head (parity is checked on it); the draft vocabulary travels as its map
+            target, drafter = load_pair(opts.target, opts.drafter, dtype=dtype, load_conditioner=opts.conditioner,
+                                        draft_vocab=False)
         ctx.target, ctx.drafter = target, drafter
 
     with reporter.stage(f"export target graph ({tcfg.num_hidden_layers} layers, {opts.attention} attention)"):
@@ -316,6 +321,13 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
     ctx.manifest = _manifest(opts, tcfg, dcfg, drafter, block, ctx.graphs, parity, tok)
     if quantization is not None:
         ctx.manifest["weights"], ctx.manifest["quantization"] = opts.quant.weights, quantization
+    if drafter is not None:
+        from retrace.export.draft_vocab import copy_draft_vocab
+
+        entry = copy_draft_vocab(opts.drafter, staging, tcfg.vocab_size)
+        if entry is not None:
+            ctx.manifest["models"]["drafter"]["draft_vocab"] = entry
+            reporter.note(f"draft vocabulary: {entry['draft_vocab_size']} ids, coverage {entry['coverage']}")
     if shared:  # drafter initializer -> target initializer (retrace.runtime.shared_weights)
         ctx.manifest["graphs"]["drafter"]["shared_initializers"] = shared
     if hook is not None:

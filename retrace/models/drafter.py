@@ -5,6 +5,8 @@ shared, frozen). Context = target hidden states at `target_layer_ids`, concatena
 normalised by `hidden_norm`; the context is never run through the layers: in every layer its K/V are
 k_norm(k_proj(ctx)) and v_proj(ctx) (KV injection). The block [anchor, MASK x (B-1)] attends to all context
 before the anchor and to itself bidirectionally; slot k predicts the token at anchor position + k.
+With a draft vocabulary (retrace.models.draft_vocab, files in the drafter directory) the head scores only
+its subset rows of the target's table, and the logits come back at target ids (-inf outside the subset).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from retrace.models.checkpoint import (
 )
 from retrace.models.conditioner import ReTraceConditioner
 from retrace.models.config import DrafterConfig, Qwen3Config, read_json
+from retrace.models.draft_vocab import TENSORS as DRAFT_VOCAB_TENSORS
+from retrace.models.draft_vocab import DraftVocab
 from retrace.models.layers import DecoderLayer, RMSNorm, past_mask, rope_cos_sin
 from retrace.models.target import Qwen3Target
 
@@ -54,6 +58,8 @@ class DFlashDrafter(nn.Module):
         self._target = [target]
         self.conditioner = conditioner
         self.directory: Path | None = None
+        self.draft_vocab: DraftVocab | None = None  # None: the full head
+        self._subset_weight: torch.Tensor | None = None  # the subset's rows of the target's table (a cache)
 
     @property
     def target(self) -> Qwen3Target:
@@ -67,11 +73,14 @@ class DFlashDrafter(nn.Module):
     # -- checkpoint I/O -------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: Qwen3Target, load_conditioner: bool = True,
-                        dtype: torch.dtype | None = None) -> DFlashDrafter:
+                        dtype: torch.dtype | None = None, draft_vocab: bool = True) -> DFlashDrafter:
+        """draft_vocab=False: the full head even where the directory has a draft vocabulary."""
         d = Path(directory)
         config = DrafterConfig.from_dir(d)
         config.check_fits(target.config, d / "config.json")
         model = cls(config, target)
+        if draft_vocab:
+            model.draft_vocab = DraftVocab.load(d, target.config.vocab_size)
         files = _drafter_files(d)
         load_into(model, read_dir_tensors(d, files), weights_location(d, files), config_path=d / "config.json")
         if load_conditioner and ReTraceConditioner.exists(d):
@@ -134,7 +143,18 @@ class DFlashDrafter(nn.Module):
             new_k.append(kc)
             new_v.append(vc)
         h = self.norm(x)
-        return h, self.target.logits(h[:, 1:]), new_k, new_v
+        return h, self.logits(h[:, 1:]), new_k, new_v
+
+    def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+        """The draft logits [..., V] float32 at target ids: the target's head, or its draft-vocabulary rows
+        with -inf outside the subset."""
+        if self.draft_vocab is None:
+            return self.target.logits(h_normed)
+        table = self.target.lm_head.weight
+        w = self._subset_weight
+        if w is None or w.dtype != table.dtype or w.device != table.device:
+            w = self._subset_weight = table.index_select(0, self.draft_vocab.ids.to(table.device))
+        return self.draft_vocab.expand(torch.nn.functional.linear(h_normed, w))
 
     def empty_past(self, n: int, length: int = 0, dtype: torch.dtype | None = None):
         c = self.config.layers
@@ -145,8 +165,9 @@ class DFlashDrafter(nn.Module):
 
 
 def _drafter_files(d: Path) -> list[Path]:
-    """The drafter's own weight files (the conditioner's retrace.safetensors lives beside them)."""
-    return weight_files(d, exclude=("retrace.safetensors",), what="drafter ")
+    """The drafter's own weight files (the conditioner's retrace.safetensors and a draft vocabulary's map
+    live beside them)."""
+    return weight_files(d, exclude=("retrace.safetensors", DRAFT_VOCAB_TENSORS), what="drafter ")
 
 
 def new_drafter_config(target: Qwen3Target, num_layers: int = 1, block_size: int = 16,
@@ -178,8 +199,9 @@ def new_drafter_config(target: Qwen3Target, num_layers: int = 1, block_size: int
 
 
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype = torch.float32,
-              load_conditioner: bool = True) -> tuple[Qwen3Target, DFlashDrafter | None]:
-    """Load a target with the taps its drafter needs, and the drafter (with its conditioner if present)."""
+              load_conditioner: bool = True, draft_vocab: bool = True) -> tuple[Qwen3Target, DFlashDrafter | None]:
+    """Load a target with the taps its drafter needs, and the drafter (with its conditioner and draft
+    vocabulary if present; draft_vocab=False: the full head)."""
     taps: tuple[int, ...] = ()
     if drafter_dir is not None:
         dcfg = DrafterConfig.from_dir(drafter_dir)
@@ -189,7 +211,8 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype: tor
     target = Qwen3Target.from_pretrained(target_dir, tap_layers=taps, dtype=dtype)
     drafter = None
     if drafter_dir is not None:
-        drafter = DFlashDrafter.from_pretrained(drafter_dir, target, load_conditioner=load_conditioner, dtype=dtype)
+        drafter = DFlashDrafter.from_pretrained(drafter_dir, target, load_conditioner=load_conditioner, dtype=dtype,
+                                                draft_vocab=draft_vocab)
     return target, drafter
 
 

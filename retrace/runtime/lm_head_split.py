@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from retrace.engines.bundle import BundleError
@@ -99,32 +100,52 @@ def rewrite_head(path: Path, cut: bool, model=None) -> HeadGraph | None:
                      {i.name for i in g.initializer})
 
 
+def _gemm_head(w):
+    """A one-node graph logits = Gemm(rows, w, transB=1) over the [V, d] initializer w -> (model, V, elem)."""
+    from onnx import helper
+
+    V, d = (int(x) for x in w.dims)
+    graph = helper.make_graph([helper.make_node("Gemm", ["rows", w.name], ["logits"], transB=1)], "lm_head",
+                              [helper.make_tensor_value_info("rows", w.data_type, ["rows", d])],
+                              [helper.make_tensor_value_info("logits", w.data_type, ["rows", V])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model, V, w.data_type
+
+
 class LmHead:
     """logits = rows @ W^T in its own session (W prepacked once; the only packed copy in the process)."""
 
     def __init__(self, graph_path: Path, weight: str, options, providers: list, device: torch.device | str = "cpu"):
         import onnx
-        import onnxruntime as ort
-        from onnx import helper
 
         quantized = nbits_head_model(graph_path, weight)  # an int4 / int8 bundle's MatMulNBits head
-        if quantized is not None:
-            model, V, elem = quantized
-        else:
+        if quantized is None:
             w = next((i for i in onnx.load(str(graph_path), load_external_data=False).graph.initializer
                       if i.name == weight), None)
             if w is None or len(w.dims) != 2:
                 raise BundleError(f"{graph_path}: no [V, d] initializer {weight!r} for the LM head")
-            (V, d), elem = (int(x) for x in w.dims), w.data_type
-            graph = helper.make_graph([helper.make_node("Gemm", ["rows", weight], ["logits"], transB=1)], "lm_head",
-                                      [helper.make_tensor_value_info("rows", elem, ["rows", d])],
-                                      [helper.make_tensor_value_info("logits", elem, ["rows", V])], [w])
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-            model.ir_version = 8
+            quantized = _gemm_head(w)
         options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(graph_path.parent))
-        self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        self._open(*quantized, options, providers, device, f"{graph_path}: LM head {weight!r}")
+
+    @classmethod
+    def of_rows(cls, table: np.ndarray, options, providers: list, device: torch.device | str = "cpu") -> LmHead:
+        """A head over the given [V', d] rows (a draft vocabulary's rows of the target's table, a copy that
+        ONNX Runtime packs and then drops: the packed rows are the only copy kept)."""
+        from onnx import numpy_helper
+
+        head = cls.__new__(cls)
+        w = numpy_helper.from_array(np.ascontiguousarray(table), "lm_head_rows")
+        head._open(*_gemm_head(w), options, providers, device, "draft vocabulary head")
+        return head
+
+    def _open(self, model, V: int, elem: int, options, providers: list, device, what: str) -> None:
+        import onnxruntime as ort
+
         if elem not in ELEMENT_DTYPE:
-            raise BundleError(f"{graph_path}: LM head {weight!r} has element type {elem}, not float32/16/bf16")
+            raise BundleError(f"{what} has element type {elem}, not float32/16/bf16")
+        self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         self.vocab, self.dtype, self.device = V, ELEMENT_DTYPE[elem], torch.device(device)
 
     def __call__(self, rows: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:

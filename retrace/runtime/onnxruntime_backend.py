@@ -23,6 +23,11 @@ graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as 
 their LM head runs in a third session, the only one that prepacks it (retrace.runtime.lm_head_split;
 `lm_head_session` forces it on or off; by default on for a table of 16 MiB or more).
 
+Draft vocabulary (a bundle whose manifest has models.drafter.draft_vocab; retrace.models.draft_vocab): the
+drafter graph's head is cut off and its rows are scored in a session of their own over the subset's rows of
+the target's (mapped) table, sliced at load time; the logits come back at target ids (-inf outside).
+`draft_vocab=False` keeps the full head.
+
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
 explicitly). The caches, the staging buffers and every output live on the first provider's device
 (`device`, retrace.runtime.ort_io_binding: torch memory bound by pointer), so a CUDA call uploads only the
@@ -40,6 +45,7 @@ import torch
 
 from retrace.engines.bundle import Bundle, BundleError
 from retrace.errors import MissingDependencyError, RetraceError
+from retrace.models.draft_vocab import DraftVocab
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.bundle_configs import bundle_configs
@@ -58,7 +64,7 @@ from retrace.runtime.ort_io_binding import (
     session_device,
     torch_dtype,
 )
-from retrace.runtime.shared_weights import SharedWeights
+from retrace.runtime.shared_weights import SharedWeights, map_initializer
 
 KV_MODES = ("inplace", "gather", "full")
 # inputs a device kernel reads on the host (GroupQueryAttention's total_sequence_length): bound from host memory
@@ -183,9 +189,10 @@ class OnnxRuntimeBackend:
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, providers: list | None = None, kv_mode: str | None = None,
                  session_options: dict | None = None, share_weights: bool = True,
-                 lm_head_session: bool | None = None, device: str | None = None):
+                 lm_head_session: bool | None = None, device: str | None = None, draft_vocab: bool = True):
         """device: where the caches and outputs live (default: the first execution provider's; "cpu" with a
-        CUDA provider keeps them in host memory, ONNX Runtime then copying them per call)."""
+        CUDA provider keeps them in host memory, ONNX Runtime then copying them per call). draft_vocab=False:
+        the drafter's full head even where the bundle has a draft vocabulary."""
         _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
         if kv_mode is not None and kv_mode not in KV_MODES:
@@ -233,6 +240,11 @@ class OnnxRuntimeBackend:
             t_head = rewrite_head(t_path, cut=self.head is not None)
             self.tgraph = _Graph(t_path, _session_options(threads, session_options), self.providers, "target",
                                  self.shared.target if self.shared else None, t_head, self.device)
+        self.draft_vocab = bundle_draft_vocab(bundle, self.target_config.vocab_size) if (
+            draft_vocab and self.drafter_config is not None) else None
+        self.draft_head = self._draft_table = None
+        if self.draft_vocab is not None:
+            d_head = self._draft_vocab_head(d_path, threads, session_options) or d_head
         self.dgraph = None
         if self.drafter_config is not None:
             self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
@@ -254,6 +266,39 @@ class OnnxRuntimeBackend:
             self.dcache = _Cache(dc.num_hidden_layers, self.max_batch, dc.num_key_value_heads, self.max_seq_len,
                                  dc.head_dim, self.dgraph.dtype("past_key_0"), self.device)
         self._taps_width = len(tm.get("tap_layers") or ()) * tc.hidden_size
+
+    def _draft_vocab_head(self, d_path: Path, threads, session_options) -> HeadGraph | None:
+        """The drafter graph with its head cut off, and self.draft_head: a session over the draft vocabulary's
+        rows of the table; None (the full head, restricted) for a graph without the exported head."""
+        head = rewrite_head(d_path, cut=True)
+        if head is None:
+            return None
+        self._draft_table = (d_path, head.weight)
+        self._head_options = (threads, session_options)
+        self.use_draft_vocab(self.draft_vocab)
+        return head
+
+    def use_draft_vocab(self, vocab: DraftVocab | None) -> None:
+        """Draft over `vocab` from now on (None: the full head), e.g. to compare sizes on one loaded bundle;
+        needs a backend loaded with a draft vocabulary (the drafter graph's head cut off)."""
+        if self._draft_table is None:
+            raise RetraceError("use_draft_vocab needs a backend opened on a bundle with a draft vocabulary")
+        if vocab is not None and vocab.target_vocab_size != self.target_config.vocab_size:
+            raise RetraceError(f"the draft vocabulary is over {vocab.target_vocab_size} ids, the target's over "
+                               f"{self.target_config.vocab_size}")
+        d_path, weight = self._draft_table
+        # the target's mapping when the table is shared (no second copy read), else the drafter graph's own
+        t_name = self.shared.pairs.get(weight) if self.shared is not None else None
+        table = self.shared.arrays[t_name] if t_name is not None else map_initializer(d_path, weight)
+        if table.shape[0] != self.target_config.vocab_size:
+            raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target vocab's "
+                              f"{self.target_config.vocab_size}")
+        self.draft_vocab = vocab
+        self.draft_head = None if vocab is None else LmHead.of_rows(
+            table[vocab.ids.numpy()], _session_options(*self._head_options), self.providers, self.device)
+        if vocab is None and self.head is None:  # the full head: rows of the whole table, in a session too
+            self.draft_head, self.draft_vocab = LmHead.of_rows(table, _session_options(*self._head_options),
+                                                               self.providers, self.device), None
 
     def _inplace_target(self, path: Path, kv_mode: str | None):
         """(the target graph rewritten for in-place K/V, its InplaceKV) or (None, None) where the mode is
@@ -390,7 +435,13 @@ class OnnxRuntimeBackend:
         g.run(feeds, out)
         self.dcache.write(slots, ctx_positions, new)
         hidden = out["hidden"].cpu()
-        logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
+        if self.draft_head is not None:
+            logits = self.draft_head(out[g.rows], (N, B - 1))
+            logits = logits if self.draft_vocab is None else self.draft_vocab.expand(logits)
+        elif self.draft_vocab is not None:  # a drafter graph whose head could not be cut off
+            logits = self.draft_vocab.restrict(out["logits"])
+        else:
+            logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
         return (hidden if hidden.dtype == torch.float32 else hidden.float()), logits.cpu()
 
     def commit_path(self, slots, src_index, dst_pos) -> None:
@@ -400,6 +451,20 @@ class OnnxRuntimeBackend:
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
+
+
+def bundle_draft_vocab(bundle: Bundle, vocab_size: int) -> DraftVocab | None:
+    """The draft vocabulary the manifest lists (models.drafter.draft_vocab), validated; None without one."""
+    entry = (bundle.model("drafter") or {}).get("draft_vocab")
+    if not entry:
+        return None
+    where = bundle.root / "manifest.json"
+    if not isinstance(entry, dict) or not isinstance(entry.get("dir"), str):
+        raise BundleError(f"{where}: models.drafter.draft_vocab must name the folder of its files ('dir')")
+    vocab = DraftVocab.load(bundle.root / entry["dir"], vocab_size)
+    if vocab is None:
+        raise BundleError(f"{bundle.root / entry['dir']}: the draft vocabulary the manifest lists is missing")
+    return vocab
 
 
 def _session_options(threads: int | None, entries: dict | None):

@@ -57,6 +57,14 @@ def _map(graph_path: Path, init) -> np.ndarray:
     return np.memmap(data, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 
+def map_initializer(graph_path: Path, name: str) -> np.ndarray:
+    """The graph's external initializer `name`, memory-mapped read-only."""
+    init = _initializers(graph_path).get(name)
+    if init is None:
+        raise BundleError(f"{graph_path}: no initializer {name!r}")
+    return _map(graph_path, init)
+
+
 def shared_pairs(target_graph: Path, drafter_graph: Path, check_values: bool = True) -> dict[str, str]:
     """Drafter initializer -> target initializer for every `shared_target.<name>` the target graph holds as
     `target.<name>` with the same shape, dtype and (check_values) bytes: what the build records."""

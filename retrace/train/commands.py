@@ -134,6 +134,43 @@ def dflash_cmd(target_dir, data, chat, fsdp, num_prompts, val_prompts, max_new_t
                    f"runtime tau (val, greedy) {m['val_runtime_tau']}")
 
 
+@train.command("draft-vocab")
+@click.option("--target", "target_dir", required=True, type=click.Path(file_okay=False), help="Qwen3 target HF dir")
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False),
+              help="drafter dir the map is written into (draft_vocab.safetensors + draft_vocab.json)")
+@click.option("--data", default=None, type=click.Path(), help="prompts (as for train dflash): the target's greedy "
+              "responses to them are counted")
+@click.option("--responses", default=None, type=click.Path(dir_okay=False),
+              help='responses instead: JSON {"responses": [[ids], ...]} (DRAFTER/train_data/responses.json) or '
+              'JSONL {"response_ids": [...]}')
+@click.option("--size", type=int, default=None, help="the N most frequent ids")
+@click.option("--coverage", type=float, default=None, help="the fewest ids covering this fraction of the tokens")
+@click.option("--num-prompts", type=int, default=None, help="use only the first N prompts")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-prompt-len", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="the target's responses to --data: greedy (0) or sampled (a sampling workload: its tokens reach "
+              "beyond the greedy ones)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU threads")
+@click.option("--json", "as_json", is_flag=True, help="print the map's metadata as JSON")
+@cli_errors
+def draft_vocab_cmd(target_dir, drafter_dir, data, responses, size, coverage, num_prompts, max_new_tokens,
+                    max_prompt_len, temperature, seed, threads, as_json) -> None:
+    """The drafter's LM head over the target ids its responses use most (EAGLE-3 style d2t/t2d map)."""
+    from retrace.train.common import torch_threads
+    from retrace.train.draft_vocab import make_draft_vocab
+
+    with torch_threads(threads):
+        vocab = make_draft_vocab(target_dir, drafter_dir, data=data, responses=responses, size=size,
+                                 coverage=coverage, max_new_tokens=max_new_tokens, num_prompts=num_prompts,
+                                 max_prompt_len=max_prompt_len, temperature=temperature, seed=seed)
+    meta = {**vocab.meta, "draft_vocab_size": vocab.size, "target_vocab_size": vocab.target_vocab_size}
+    click.echo(json.dumps(meta, indent=2) if as_json else
+               f"draft vocabulary: {vocab.size} of {vocab.target_vocab_size} ids, coverage {vocab.coverage:.4f} "
+               f"of {meta['counted_tokens']} response tokens -> {drafter_dir}")
+
+
 @train.command("conditioner")
 @_common_train
 @click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False), help="trained DFlash drafter dir")

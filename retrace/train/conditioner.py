@@ -29,6 +29,7 @@ from retrace.errors import RetraceError
 from retrace.models.checkpoint import atomic_write_text
 from retrace.models.conditioner import ReTraceConditioner
 from retrace.models.config import DrafterConfig
+from retrace.models.draft_vocab import META as DRAFT_VOCAB_META
 from retrace.models.drafter import DFlashDrafter
 from retrace.train import blocks as bl
 from retrace.train import common as cm
@@ -314,7 +315,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
                            f"{d.world} (each process rolls out an equal share)")
     if out != drafter_dir and d.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        for f in ("config.json", *[p.name for p in drafter_dir.glob("*.safetensors") if p.name != "retrace.safetensors"]):
+        for f in ("config.json", *[p.name for p in drafter_dir.glob("*.safetensors") if p.name != "retrace.safetensors"],
+                  *[n for n in (DRAFT_VOCAB_META,) if (drafter_dir / n).is_file()]):  # a draft vocabulary: both files
             shutil.copy2(drafter_dir / f, out / f)
     d.barrier()
 
