@@ -40,6 +40,7 @@ class Result:
     text: str | None
     finish_reason: str | None
     stats: dict
+    error: str | None = None  # finish_reason "error": why this request failed alone (the others went on)
 
 
 class Runtime:
@@ -133,6 +134,8 @@ class Runtime:
             while True:
                 if pending:
                     ev = pending.pop(0)
+                    if ev.finished and req.error:
+                        raise RetraceError(req.error)
                     yield ev
                     if ev.finished:
                         return
@@ -154,7 +157,7 @@ class Runtime:
 
     def _result(self, r: Request) -> Result:
         d = r.result()
-        return Result(d["token_ids"], d["text"] if self.codec else None, d["finish_reason"], d["stats"])
+        return Result(d["token_ids"], d["text"] if self.codec else None, d["finish_reason"], d["stats"], r.error)
 
     def run_stats(self) -> dict:
         sched = self.scheduler()
