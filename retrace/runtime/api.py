@@ -61,6 +61,9 @@ class Runtime:
         self.block_size = block_size
         self.verify_policy = verify_policy
         self.tree_budget = check_budget(tree_budget, block_size or 0)
+        if self.tree_budget + 3 > backend.max_seq_len:  # one prompt token + one new token + the tree + 1
+            raise RetraceError(f"tree budget {self.tree_budget} leaves no room for any request in the max length "
+                               f"{backend.max_seq_len} (at most {backend.max_seq_len - 3})")
         self.tree_sources = parse_sources(tree_sources)
         self.prompt_lookup = prompt_lookup
         self._sched: Scheduler | None = None

@@ -162,11 +162,12 @@ class Scheduler:
         vocab = self.backend.target_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RetraceError(f"prompt token ids must be in [0, {vocab})")
-        need = len(prompt_ids) + params.max_new_tokens + max(self.block_size, self.tree_budget) + 1
+        room, what = max((self.block_size, "block"), (self.tree_budget, "draft tree"))  # the last round's
+        need = len(prompt_ids) + params.max_new_tokens + room + 1
         if need > self.backend.max_seq_len:
             raise RetraceError(
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} + block "
-                f"{self.block_size} exceeds the configured max length {self.backend.max_seq_len}")
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} + {what} "
+                f"{room} + 1 exceeds the configured max length {self.backend.max_seq_len}")
 
     def cancel(self, req: Request) -> None:
         """Drop a request (client went away / preemption): frees its slot and its suffix memory."""
