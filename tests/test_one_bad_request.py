@@ -10,6 +10,7 @@ listener that raises SystemExit."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import numpy as np
@@ -132,3 +133,75 @@ def test_engine_refuses_malformed_requests(world):
         engine.shutdown()
     with pytest.raises(Exception, match="cannot start again: create a new Engine"):
         engine.start()
+
+
+# ------------------------------------------------------------------------------ the Triton model's loop
+class Sink:
+    def __init__(self):
+        self.responses, self.errors, self.done = [], [], threading.Event()
+
+    def send(self, ids, text, stats, final):
+        self.responses.append((list(ids), text))
+        if final:
+            self.done.set()
+
+    def error(self, message, kind="internal"):
+        self.errors.append((message, kind))
+        self.done.set()
+
+    def is_cancelled(self):
+        return False
+
+
+def triton_inputs(text, max_tokens, **extra):
+    return {"text_input": np.array([text.encode()], dtype=np.object_),
+            "max_tokens": np.array([max_tokens], np.int32), **extra}
+
+
+def test_triton_loop_unsampleable_row_fails_alone(world):
+    from retrace.export.triton.serving import Job, RuntimeAdapter, ServingLoop
+    from retrace.export.triton.validation import Limits, parse_request
+
+    built, prompts, alone = world
+    rt = Runtime.from_bundle(built.bundle, threads=1)
+    rt.backend = PoisonedRows(rt.backend, MARKER, after=2)
+    adapter = RuntimeAdapter(rt)
+    limits = Limits(max_tokens=100, max_seq_len=rt.backend.max_seq_len - adapter.reserve, vocab_size=VOCAB)
+    loop = ServingLoop(adapter, limits, max_batch=4)
+    step = loop.engine.sched.step
+    loop.engine.sched.step = lambda: (time.sleep(0.02), step())[1]
+    t = np.array([0.8], np.float32)
+    jobs = [(prompts[0], {}), (prompts[1], {"temperature": np.array([1e-38], np.float32)}),  # greedy: below 1e-5
+            (words([MARKER, 4]), {"temperature": t, "seed": np.array([1], np.int64)}),
+            (words([MARKER, 6]), {"temperature": t, "stream": np.array([True])})]
+    sinks = [Sink() for _ in jobs]
+    loop.start()
+    try:
+        for (text, extra), sink in zip(jobs, sinks, strict=True):
+            spec = parse_request(triton_inputs(text, GREEDY.max_new_tokens, ignore_eos=np.array([True]), **extra),
+                                 "", limits)
+            loop.submit(Job(spec=spec, sink=sink))
+        assert all(s.done.wait(60) for s in sinks)
+    finally:
+        loop.stop()
+    for sink, want in zip(sinks[:2], alone[:2], strict=True):
+        assert not sink.errors and sink.responses[-1] == (want.token_ids, want.text)
+    for sink in sinks[2:]:
+        assert len(sink.errors) == 1 and "cannot be sampled" in sink.errors[0][0] and sink.errors[0][1] == "invalid"
+    assert loop.engine.max_batch_seen == 4 and loop.engine.failed == 2
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"temperature": np.array([np.nan], np.float32)}, "input 'temperature' must be a finite number"),
+    ({"top_p": np.array([0.0], np.float32)}, "input 'top_p' must be in (0, 1]"),
+    ({"sampling_parameters": np.array([b'{"top_k": 2.5}'], dtype=np.object_)}, "'top_k' must be an integer"),
+    ({"sampling_parameters": np.array([b'{"stop": [1]}'], dtype=np.object_)}, "'stop' must be a string or a list"),
+    ({"sampling_parameters": np.array([b'{"seed": -4}'], dtype=np.object_)}, "sampling_parameters 'seed' must be >= 0"),
+    ({"text_input": np.array([b"x" * 1_000_001], dtype=np.object_)}, "input 'text_input' has 1000001 characters"),
+])
+def test_triton_requests_share_the_check(extra, needle):
+    from retrace.export.triton.validation import Limits, RequestError, parse_request
+
+    with pytest.raises(RequestError) as e:
+        parse_request({**triton_inputs("t1x", 4), **extra}, "", Limits(max_tokens=100))
+    assert needle in str(e.value)

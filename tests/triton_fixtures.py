@@ -109,3 +109,14 @@ def as_list(v: Any) -> list:
 
 def stats_of(obj: dict) -> dict:
     return json.loads(obj["stats"])
+
+
+def requests_total(srv: TritonServer, finish_reason: str) -> float:
+    """retrace_requests_total on the server's metrics port, summed over modes, for one finish reason."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "retrace_requests_total" and s.labels.get("finish_reason") == finish_reason)
