@@ -91,8 +91,8 @@ def check_sampling(max_new_tokens: Any, temperature: Any, top_p: Any, top_k: Any
         seed = check_int("seed", seed, 0, SEED_MAX)
     if not isinstance(ignore_eos, bool):
         raise InvalidParameter("ignore_eos", f"must be true or false, got {ignore_eos!r}")
-    min_tokens = check_int("min_tokens", min_tokens, 0)
-    if min_tokens > max_new_tokens:
+    min_tokens = check_int("min_tokens", min_tokens, -2**63)
+    if not 0 <= min_tokens <= max_new_tokens:
         raise InvalidParameter("min_tokens", f"must be in [0, max_tokens={max_new_tokens}], got {min_tokens}")
     return {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "seed": seed, "stop": check_stops(stop), "ignore_eos": ignore_eos, "min_tokens": min_tokens}

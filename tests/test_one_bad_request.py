@@ -10,7 +10,6 @@ listener that raises SystemExit."""
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 import torch
 from export_fixtures import VOCAB, pair_and_bundle
 from runtime_fixtures import PoisonedRows, single_thread, words
+from triton_fixtures import FakeSink
 
 from retrace.request_validation import TEMPERATURE_FLOOR, InvalidParameter, check_prompt_text
 from retrace.runtime import Runtime, SamplingParams
@@ -136,23 +136,6 @@ def test_engine_refuses_malformed_requests(world):
 
 
 # ------------------------------------------------------------------------------ the Triton model's loop
-class Sink:
-    def __init__(self):
-        self.responses, self.errors, self.done = [], [], threading.Event()
-
-    def send(self, ids, text, stats, final):
-        self.responses.append((list(ids), text))
-        if final:
-            self.done.set()
-
-    def error(self, message, kind="internal"):
-        self.errors.append((message, kind))
-        self.done.set()
-
-    def is_cancelled(self):
-        return False
-
-
 def triton_inputs(text, max_tokens, **extra):
     return {"text_input": np.array([text.encode()], dtype=np.object_),
             "max_tokens": np.array([max_tokens], np.int32), **extra}
@@ -174,7 +157,7 @@ def test_triton_loop_unsampleable_row_fails_alone(world):
     jobs = [(prompts[0], {}), (prompts[1], {"temperature": np.array([1e-38], np.float32)}),  # greedy: below 1e-5
             (words([MARKER, 4]), {"temperature": t, "seed": np.array([1], np.int64)}),
             (words([MARKER, 6]), {"temperature": t, "stream": np.array([True])})]
-    sinks = [Sink() for _ in jobs]
+    sinks = [FakeSink() for _ in jobs]
     loop.start()
     try:
         for (text, extra), sink in zip(jobs, sinks, strict=True):
@@ -185,7 +168,7 @@ def test_triton_loop_unsampleable_row_fails_alone(world):
     finally:
         loop.stop()
     for sink, want in zip(sinks[:2], alone[:2], strict=True):
-        assert not sink.errors and sink.responses[-1] == (want.token_ids, want.text)
+        assert not sink.errors and sink.responses[-1][:2] == (want.token_ids, want.text)
     for sink in sinks[2:]:
         assert len(sink.errors) == 1 and "cannot be sampled" in sink.errors[0][0] and sink.errors[0][1] == "invalid"
     assert loop.engine.max_batch_seen == 4 and loop.engine.failed == 2

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 from export_fixtures import VOCAB, pair_and_bundle
-from helpers import http_json
+from helpers import http_json, serving
 from runtime_fixtures import PoisonedRows, single_thread, words
 
 pytest.importorskip("fastapi")
@@ -59,27 +59,6 @@ class GatedCodec:
         return self.inner.encode(text)
 
 
-def start_server(svc, server_cls=None):
-    port = _free_port()
-    server = (server_cls or uvicorn.Server)(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port,
-                                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started
-    return server, thread, port
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def slow_steps(engine, delay_s):
     step = engine.sched.step
     engine.sched.step = lambda: (time.sleep(delay_s), step())[1]
@@ -102,12 +81,8 @@ def world(tmp_path_factory):
         engine.codec = GatedCodec(engine.codec)
         svc = Service(engine, "tiny", ChatTemplate.load(built.bundle / "tokenizer", tmpl),
                       limits=ServeLimits(work_timeout_s=1.0))
-        server, thread, port = start_server(svc)
-        try:
+        with serving(create_app(svc)) as (server, thread, port):
             yield built, prompts, alone, svc, port, ref
-        finally:
-            server.should_exit = True
-            thread.join(30)
 
 
 def post(port, body, path="/v1/completions", **kw):
@@ -271,24 +246,24 @@ def test_sigterm_past_drain_timeout_answers_503_and_done(world):
     engine = Engine(Runtime.from_bundle(built.bundle, threads=1))
     slow_steps(engine, 0.05)  # 100 tokens in ar mode: >= 5 s, far past the drain timeout
     drain_svc = Service(engine, "tiny", drain_s=0.3)
-    server_cls = _server_class()
-    server, thread, dport = start_server(drain_svc, server_cls)
-    server.on_exit = drain_svc.begin_drain
     out: dict = {}
     body = {"prompt": prompts[0], "max_tokens": 100, "mode": "ar"}
-    threads = [threading.Thread(target=lambda: out.update(plain=post(dport, body))),
-               threading.Thread(target=lambda: out.update(stream=post(dport, {**body, "stream": True}, parse=False)))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while engine.snapshot()["active"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.snapshot()["active"] == 2
-    server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
-    for t in threads:
-        t.join(60)
-    thread.join(60)
-    assert not thread.is_alive() and not engine.running
+    with serving(create_app(drain_svc), _server_class()) as (server, thread, dport):
+        server.on_exit = drain_svc.begin_drain
+        threads = [threading.Thread(target=lambda: out.update(plain=post(dport, body))),
+                   threading.Thread(target=lambda: out.update(stream=post(dport, {**body, "stream": True},
+                                                                          parse=False)))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while engine.snapshot()["active"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.snapshot()["active"] == 2
+        server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+        for t in threads:
+            t.join(60)
+        thread.join(60)
+        assert not thread.is_alive() and not engine.running  # the server ended by itself
     status, err = out["plain"]
     assert status == 503 and err["error"]["code"] == "unavailable" and "shutting down" in err["error"]["message"]
     status, raw = out["stream"]
