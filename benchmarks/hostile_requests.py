@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,6 +75,8 @@ def main() -> None:
     proc = subprocess.Popen([exe, "serve", "--engine", args.engine, "--port", str(port), "--threads", "1",
                              "--no-verify-bundle", "--log-level", "warning", "--chat-template", str(tmp / "loop.jinja")])
     while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"retrace serve exited with {proc.returncode}")
         try:
             if request(port, "GET", "/health")[0] == 200:
                 break
@@ -113,6 +116,7 @@ def main() -> None:
         print(f"generate --prompts-file, {name}: exit {res.returncode} in {time.perf_counter() - t0:.2f} s wall, "
               f"{float(user) + float(sys_s):.2f} s CPU, {int(max_kb) // 1024} MB max RSS; "
               f"{res.stderr.strip().splitlines()[0][:100]}")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
