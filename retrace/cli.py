@@ -12,6 +12,7 @@ import click  # noqa: E402
 from retrace.cli_checks import check_finite, check_seed, check_text, check_threads  # noqa: E402
 from retrace.cli_errors import cli_errors  # noqa: E402
 from retrace.errors import RetraceError  # noqa: E402
+from retrace.request_validation import MAX_PROMPT_CHARS  # noqa: E402
 
 
 @click.group()
@@ -46,6 +47,8 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
         raise RetraceError("give exactly one of --prompt, --prompt-ids, --prompts-file")
     if prompt is not None:
         check_text(prompt, "--prompt")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise RetraceError(f"--prompt has {len(prompt)} characters, at most {MAX_PROMPT_CHARS} are allowed")
         return [prompt]
     if prompt_ids is not None:
         try:
@@ -193,9 +196,10 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
     if as_json:
         click.echo(json.dumps({
             "outputs": [{"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
-                         "stats": r.stats} for r in results],
+                         "stats": r.stats, **({"error": r.error} if r.error else {})} for r in results],
             "stats": stats,
         }))
+        _failed(results)
         return
     for i, r in enumerate(results):
         click.echo(f"--- output {i} ({len(r.token_ids)} tokens, tau {r.stats['tau'] or 0:.2f}, {r.finish_reason})")
@@ -204,6 +208,14 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
     click.echo(f"--- {stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau'] or 0:.2f}, "
                f"rounds {stats['rounds']}, verified drafts {stats['verify_hist']}; time draft {t['draft_s']:.2f}s verify {t['verify_s']:.2f}s "
                f"prefill {t['prefill_s']:.2f}s other {t['other_s']:.2f}s", err=True)
+    _failed(results)
+
+
+def _failed(results) -> None:
+    """A prompt that failed alone (its distribution could not be sampled): exit 1 naming it, after the others."""
+    bad = [f"prompt {i}: {r.error}" for i, r in enumerate(results) if r.error]
+    if bad:
+        raise RetraceError("; ".join(bad))
 
 
 from retrace.train.commands import eval_cmd, train, zoo  # noqa: E402  (lazy inside: keeps --help fast)

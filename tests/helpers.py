@@ -9,6 +9,7 @@ are perturbed away from 1 so that a missing or misplaced norm shows up in parity
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 from dataclasses import dataclass
@@ -267,3 +268,35 @@ def http_json(port: int, method: str, path: str, body=None, timeout: float = 60.
             return resp.status, raw
     finally:
         conn.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app, server_cls=None):
+    """uvicorn serving `app` on a free loopback port in a daemon thread, once it has started -> (server,
+    thread, port); stopped and joined on exit (server_cls: a uvicorn.Server subclass, e.g. `retrace serve`'s)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    port = free_port()
+    server = (server_cls or uvicorn.Server)(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started
+    try:
+        yield server, thread, port
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -7,6 +7,9 @@
   random rejection slot each round, wrong there, and mixed after it, so that every acceptance length
   0..B-1 occurs; the real drafter still runs (its K/V cache, hidden states and, in retrace mode, the
   conditioner on the real suffix memory are all exercised).
+- `PoisonedRows`: a Backend wrapper that makes the target's logits NaN for the requests whose prompt starts
+  with a marker token (a row whose distribution cannot be sampled, whatever its parameters); every other
+  row is the real backend's.
 - `single_thread`: tiny models on a shared 2-core machine run far faster (and steadier) on one thread.
 """
 
@@ -69,6 +72,40 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+class PoisonedRows:
+    """Wraps a Backend: the target's logits are NaN in the slot of a request whose prompt starts with `marker`
+    from its (after+1)-th target call on (0: its prefill; 2: its second verify), until that slot is
+    released; everything else is the real backend's. `poisoned_calls` counts the NaN rows it returned."""
+
+    def __init__(self, inner, marker: int, after: int = 0):
+        self.inner, self.marker, self.after = inner, marker, after
+        self.calls: dict[int, int] = {}  # marked slot -> target calls so far
+        self.poisoned_calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def target(self, slots, input_ids, positions, logits_index, **tree):
+        logits, taps = self.inner.target(slots, input_ids, positions, logits_index, **tree)
+        rows = []
+        for n, s in enumerate(slots.tolist()):
+            if int(positions[n, 0]) == 0 and int(input_ids[n, 0]) == self.marker:
+                self.calls[s] = 0
+            if s in self.calls:
+                self.calls[s] += 1
+                if self.calls[s] > self.after:
+                    rows.append(n)
+        if rows:
+            self.poisoned_calls += len(rows)
+            logits = logits.clone()
+            logits[rows] = float("nan")
+        return logits, taps
+
+    def release(self, slot: int) -> None:
+        self.calls.pop(slot, None)
+        self.inner.release(slot)
 
 
 class OracleDrafter:

@@ -118,3 +118,31 @@ def test_integer_weights_in_a_float_checkpoint_are_refused(pair):
                                     "--prompt-ids", "1,2", "--max-new-tokens", "2"])
     one_line_error(res, "non-floating-point weights")
     assert name in res.output
+
+
+def test_generate_temperature_below_the_floor_is_greedy(pair):
+    tiny = gen(pair, "--temperature", "1e-38", "--json", "--mode", "dflash", "--max-new-tokens", "6")
+    greedy = gen(pair, "--json", "--mode", "dflash", "--max-new-tokens", "6")
+    assert tiny.exit_code == 0 and greedy.exit_code == 0, tiny.output
+    out = [json.loads(r.output.strip().splitlines()[-1])["outputs"] for r in (tiny, greedy)]
+    assert out[0][0]["token_ids"] == out[1][0]["token_ids"]
+
+
+def test_prompts_file_huge_line_refused_by_its_length(pair, tmp_path, monkeypatch):
+    from retrace.runtime.tokenizer import TextCodec
+
+    calls = []
+    monkeypatch.setattr(TextCodec, "encode", lambda self, text: calls.append(text) or [])
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "x" * 1_000_001}) + "\n")
+    one_line_error(gen(pair, prompt=("--prompts-file", str(long))), "long.jsonl:1: the prompt has 1000001 characters")
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text('{"prompt": "' + "t1x " * 3_500_000 + '"}\n')  # 14 MB on one line
+    one_line_error(gen(pair, prompt=("--prompts-file", str(huge))), "huge.jsonl:1: a line of 14000014 characters")
+    assert calls == []  # refused before anything was tokenized
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_serve_refuses_bad_drain_timeout(pair, value):
+    res = CliRunner().invoke(main, ["serve", "--target", str(pair.target_dir), "--drain-timeout", value])
+    one_line_error(res, "--drain-timeout must be a finite number >= 0")

@@ -11,14 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from export_fixtures import VOCAB, pair_and_bundle
-from helpers import http_json
+from helpers import free_port, http_json, serving
 from runtime_fixtures import single_thread, words
 
 pytest.importorskip("fastapi")
@@ -39,12 +38,6 @@ CHAT = [{"role": "system", "content": "t3x t4x"}, {"role": "user", "content": "t
 CHAT_TEXT = "t3x t4x t5x t6x t7x t1x"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     with single_thread():
@@ -58,19 +51,8 @@ def world(tmp_path_factory):
         tmpl.write_text(TEMPLATE)
         svc = Service(Engine(Runtime.from_bundle(built.bundle, threads=1)), MODEL,
                       ChatTemplate.load(built.bundle / "tokenizer", tmpl))
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(svc), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server.started
-        try:
+        with serving(create_app(svc)) as (server, thread, port):
             yield built, prompts, ref, svc, port, rt
-        finally:
-            server.should_exit = True
-            thread.join(30)
     assert not svc.engine.running  # the app's shutdown drained and joined the engine
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import numpy as np
 import pytest
-from triton_fixtures import write_standin_bundle
+from triton_fixtures import FakeSink, write_standin_bundle
 
 from retrace.export.triton import standin
 from retrace.export.triton.repository import RepositoryError, render_config, write_repository
@@ -242,26 +241,6 @@ def test_bundle_limits_reads_top_level_and_sections():
 
 
 # ------------------------------------------------------------------------------------------ serving loop
-class FakeSink:
-    def __init__(self):
-        self.responses: list[tuple[list[int], str, dict | None, bool]] = []
-        self.errors: list[tuple[str, str]] = []
-        self.cancel = False
-        self.done = threading.Event()
-
-    def send(self, ids, text, stats, final):
-        self.responses.append((list(ids), text, stats, final))
-        if final:
-            self.done.set()
-
-    def error(self, message, kind="internal"):
-        self.errors.append((message, kind))
-        self.done.set()
-
-    def is_cancelled(self):
-        return self.cancel
-
-
 def make_loop(tmp_path, max_batch=4, delay=0.002):
     rt = standin.create_runtime(str(write_standin_bundle(tmp_path / "b", 256)), max_batch=max_batch,
                                 step_delay_s=delay)

@@ -23,6 +23,7 @@ from triton_fixtures import (
     generate,
     generate_stream,
     http_post,
+    requests_total,
     stats_of,
     write_standin_repo,
 )
@@ -248,9 +249,11 @@ def test_server_side_rejections(standin_server):
     # stream=true asks for several responses, which /generate refuses (use /generate_stream)
     status, out = generate(standin_server, {"text_input": "abc", "max_tokens": 8, "stream": True})
     assert "error" in out and "generate stream" in out["error"]
-    # a runtime crash fails the requests of that round only; the next request works
+    # a runtime crash fails the requests of that round only; the next request works; failures are counted
+    errors = requests_total(standin_server, "error")
     status, out = generate(standin_server, {"text_input": "__crash__", "max_tokens": 5})
     assert status >= 400 and "the runtime failed" in out["error"]
+    assert requests_total(standin_server, "error") == errors + 1
     status, out = generate(standin_server, {"text_input": "ok", "max_tokens": 3})
     assert status == 200 and out["text_output"] == expected("ok", 3)
 
@@ -271,6 +274,7 @@ def _open_stream(port: int, body: dict) -> tuple[socket.socket, bytes]:
 
 def test_client_disconnect_mid_stream_frees_slot_and_does_not_stall_others(standin_server):
     log_before = standin_server.log_text().count("cancelled by the client")
+    cancelled = requests_total(standin_server, "cancelled")
     # max_tokens chosen so the stream would take ~2 s (10 ms rounds, ~2.5 tokens a round)
     socks = [_open_stream(standin_server.http_port, {"text_input": f"long{i}", "max_tokens": 480, "stream": True})[0]
              for i in range(3)]
@@ -281,6 +285,7 @@ def test_client_disconnect_mid_stream_frees_slot_and_does_not_stall_others(stand
     while standin_server.log_text().count("cancelled by the client") < log_before + 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert standin_server.log_text().count("cancelled by the client") >= log_before + 3, standin_server.log_tail()
+    assert requests_total(standin_server, "cancelled") >= cancelled + 3  # counted, as the finished ones are
     # ... and goes on serving new clients exactly
     with ThreadPoolExecutor(max_workers=8) as pool:
         outs = list(pool.map(lambda i: generate(standin_server, {"text_input": f"q{i}", "max_tokens": 12}), range8()))

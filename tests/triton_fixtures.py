@@ -11,6 +11,7 @@ Fixtures (import the ``fixture_*`` functions into a test module; pytest knows th
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,3 +110,34 @@ def as_list(v: Any) -> list:
 
 def stats_of(obj: dict) -> dict:
     return json.loads(obj["stats"])
+
+
+def requests_total(srv: TritonServer, finish_reason: str) -> float:
+    """retrace_requests_total on the server's metrics port, summed over modes, for one finish reason."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "retrace_requests_total" and s.labels.get("finish_reason") == finish_reason)
+
+
+class FakeSink:
+    def __init__(self):
+        self.responses: list[tuple[list[int], str, dict | None, bool]] = []
+        self.errors: list[tuple[str, str]] = []
+        self.cancel = False
+        self.done = threading.Event()
+
+    def send(self, ids, text, stats, final):
+        self.responses.append((list(ids), text, stats, final))
+        if final:
+            self.done.set()
+
+    def error(self, message, kind="internal"):
+        self.errors.append((message, kind))
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancel

@@ -40,6 +40,7 @@ class Result:
     text: str | None
     finish_reason: str | None
     stats: dict
+    error: str | None = None  # finish_reason "error": why this request failed alone (the others went on)
 
 
 class Runtime:
@@ -60,6 +61,9 @@ class Runtime:
         self.block_size = block_size
         self.verify_policy = verify_policy
         self.tree_budget = check_budget(tree_budget, block_size or 0)
+        if self.tree_budget + 3 > backend.max_seq_len:  # one prompt token + one new token + the tree + 1
+            raise RetraceError(f"tree budget {self.tree_budget} leaves no room for any request in the max length "
+                               f"{backend.max_seq_len} (at most {backend.max_seq_len - 3})")
         self.tree_sources = parse_sources(tree_sources)
         self.prompt_lookup = prompt_lookup
         self._sched: Scheduler | None = None
@@ -133,6 +137,8 @@ class Runtime:
             while True:
                 if pending:
                     ev = pending.pop(0)
+                    if ev.finished and req.error:
+                        raise RetraceError(req.error)
                     yield ev
                     if ev.finished:
                         return
@@ -154,7 +160,7 @@ class Runtime:
 
     def _result(self, r: Request) -> Result:
         d = r.result()
-        return Result(d["token_ids"], d["text"] if self.codec else None, d["finish_reason"], d["stats"])
+        return Result(d["token_ids"], d["text"] if self.codec else None, d["finish_reason"], d["stats"], r.error)
 
     def run_stats(self) -> dict:
         sched = self.scheduler()

@@ -18,12 +18,14 @@ the Triton model's stand-in runtime runs on the same engine (retrace/export/trit
 
 from __future__ import annotations
 
+import numbers
 import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from retrace.errors import RetraceError
+from retrace.request_validation import check_prompt_text
 from retrace.runtime.engine_handle import (
     EngineClosed,
     EngineFailure,
@@ -74,7 +76,8 @@ class Engine:
     def start(self) -> Engine:
         with self._cv:
             if self._thread is not None:
-                raise RetraceError("the engine is already started")
+                raise RetraceError("the engine is already started" if self._thread.is_alive() else
+                                   "the engine was shut down and cannot start again: create a new Engine")
             self._accepting = True
             self._thread = threading.Thread(target=self._run, name="retrace-engine", daemon=True)
             self._thread.start()
@@ -110,24 +113,39 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
+        """Text (checked by its size before the tokenizer reads it) or token ids (a list, tuple or 1-D
+        array of integers) -> ids; anything else is RequestRejected."""
         if isinstance(prompt, str):
             if self.codec is None:
                 raise RequestRejected("this model has no tokenizer: send token ids instead of text")
+            try:
+                check_prompt_text(prompt)
+            except RetraceError as e:
+                raise RequestRejected(str(e)) from None
             ids = [int(t) for t in self.codec.encode(prompt)]
             if not ids:
                 raise RequestRejected("the prompt text tokenizes to an empty prompt")
             return ids
-        return [int(t) for t in prompt]
+        ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt  # numpy / torch
+        if not isinstance(ids, list | tuple) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                         for t in ids):
+            raise RequestRejected(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
+        return [int(t) for t in ids]
 
     def submit(self, prompt: str | list[int], params: Any = None, mode: str = "retrace", *,
                listener: Any = None) -> Handle:
         """Queue one request; thread-safe and non-blocking. Raises RequestRejected (bad request, checked
         here when the scheduler can check without its state), EngineFull, EngineClosed."""
-        if params is None:
-            from retrace.runtime.sampling import SamplingParams
+        from retrace.runtime.sampling import SamplingParams
 
+        if params is None:
             params = SamplingParams()
         ids = self.encode(prompt)
+        if isinstance(params, SamplingParams):  # (a stand-in runtime brings its own)
+            try:
+                params.validate()  # again: fields may have changed since it was built
+            except RetraceError as e:
+                raise RequestRejected(str(e)) from None
         check = getattr(self.sched, "check", None)
         if check is not None:
             try:
@@ -203,7 +221,7 @@ class Engine:
             return False
         try:
             return bool(fn())
-        except Exception:
+        except BaseException:  # noqa: BLE001 - whatever a listener raises (SystemExit too) ends only its request
             return True  # the client's channel is gone: a hang-up
 
     def _round(self) -> None:
@@ -222,6 +240,9 @@ class Engine:
             h = self._active.get(id(ev.request))
             if h is None:
                 continue
+            if ev.finished and getattr(ev.request, "error", None):  # it failed alone; its batch-mates go on
+                self._close(h, RequestRejected(ev.request.error))
+                continue
             h._push(ev, n)
             delivered = self._notify_listener(h, ev)
             if ev.finished:
@@ -238,7 +259,7 @@ class Engine:
         try:
             fn(h, ev)
             return True
-        except Exception as e:
+        except BaseException as e:  # noqa: BLE001 - SystemExit from a listener must not end the engine thread
             self.log(f"listener failed ({type(e).__name__}: {e}); cancelling the request")
             return False
 
@@ -261,7 +282,7 @@ class Engine:
         if fn is not None:
             try:
                 fn(h, error)
-            except Exception as e:
+            except BaseException as e:  # noqa: BLE001
                 self.log(f"listener on_error failed: {type(e).__name__}: {e}")
         self._finished(h)
 

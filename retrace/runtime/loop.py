@@ -38,6 +38,7 @@ from retrace.runtime.sampling import (
     SamplingParams,
     argmax,
     greedy_accept,
+    guard_rows,
     mask_early_eos,
     processed_probs,
     sample_drafts,
@@ -69,6 +70,7 @@ class Request:
     emitted_text: int = 0  # chars of `text` already streamed
     finished: bool = False
     finish_reason: str | None = None
+    error: str | None = None  # why it failed alone (finish_reason "error"; its batch-mates went on)
     stats: AcceptStats = field(default_factory=AcceptStats)
     slot: int = -1
     anchor: int = -1  # last committed token (no target K/V yet)
@@ -160,11 +162,12 @@ class Scheduler:
         vocab = self.backend.target_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RetraceError(f"prompt token ids must be in [0, {vocab})")
-        need = len(prompt_ids) + params.max_new_tokens + max(self.block_size, self.tree_budget) + 1
+        room, what = max((self.block_size, "block"), (self.tree_budget, "draft tree"))  # the last round's
+        need = len(prompt_ids) + params.max_new_tokens + room + 1
         if need > self.backend.max_seq_len:
             raise RetraceError(
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} + block "
-                f"{self.block_size} exceeds the configured max length {self.backend.max_seq_len}")
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} + {what} "
+                f"{room} + 1 exceeds the configured max length {self.backend.max_seq_len}")
 
     def cancel(self, req: Request) -> None:
         """Drop a request (client went away / preemption): frees its slot and its suffix memory."""
@@ -416,10 +419,14 @@ class Scheduler:
     def _sample_one(self, logits: torch.Tensor, r: Request) -> int:
         if r.params.greedy:
             return int(argmax(logits))
-        return int(torch.multinomial(processed_probs(logits, r.params), 1, generator=r.generator))
+        return int(torch.multinomial(_sampling_probs(logits.unsqueeze(0), [r])[0], 1, generator=r.generator))
 
     # -- commit and stop ---------------------------------------------------------------------------------
     def _commit(self, r: Request, tokens: list[int], events: dict[int, Event]) -> None:
+        if r.error is not None:  # its distribution could not be sampled: it fails alone, commits nothing
+            self._finish(r, "error")
+            events.setdefault(r.rid, Event(r, [], "", True)).finished = True
+            return
         p = r.params
         n0 = len(r.output_ids)
         for t in tokens:
@@ -483,14 +490,19 @@ class Scheduler:
 
 def _sampling_probs(logits: torch.Tensor, reqs: list[Request]) -> list[torch.Tensor | None]:
     """processed_probs(logits[i], params of row i) for the sampling rows, None for greedy rows; one call
-    per distinct (temperature, top_k, top_p) rather than one per row."""
+    per distinct (temperature, top_k, top_p) rather than one per row. A row that is no distribution gets
+    its request's `error` set (sampling.guard_rows)."""
     out: list[torch.Tensor | None] = [None] * len(reqs)
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(reqs):
         if not r.params.greedy:
             groups.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
     for rows in groups.values():
-        probs = processed_probs(logits[rows], reqs[rows[0]].params)
+        probs, bad = guard_rows(processed_probs(logits[rows], reqs[rows[0]].params))
+        for j in bad:  # the row fails alone (at its commit); the one-hot guard_rows put there keeps the round going
+            p = reqs[rows[j]].params
+            reqs[rows[j]].error = (f"the sampling distribution of this request cannot be sampled (non-finite "
+                                   f"probabilities at temperature {p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g})")
         for j, i in enumerate(rows):
             out[i] = probs[j]
     return out

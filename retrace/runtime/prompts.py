@@ -7,10 +7,15 @@ from pathlib import Path
 
 from retrace.cli_checks import is_text
 from retrace.errors import RetraceError
+from retrace.request_validation import MAX_PROMPT_CHARS
+
+# a line longer than this cannot hold a prompt within MAX_PROMPT_CHARS (a JSON escape is at most 12 characters)
+MAX_LINE_CHARS = 12 * MAX_PROMPT_CHARS + 4096
 
 
-def read_prompts_jsonl(path: str | Path) -> list[dict]:
-    """The objects of a prompt file; blank lines skipped; every error names the file and line."""
+def read_prompts_jsonl(path: str | Path, max_chars: int = MAX_PROMPT_CHARS) -> list[dict]:
+    """The objects of a prompt file; blank lines skipped; every error names the file and line. A prompt
+    longer than max_chars characters is refused by its length, before anything parses or tokenizes it."""
     p = Path(path)
     if not p.is_file():
         what = "is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "not found"
@@ -23,12 +28,17 @@ def read_prompts_jsonl(path: str | Path) -> list[dict]:
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        if len(line) > MAX_LINE_CHARS:
+            raise RetraceError(f"{p}:{n}: a line of {len(line)} characters; a prompt may have at most {max_chars}")
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise RetraceError(f"{p}:{n}: not valid JSON ({e})") from None
         if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "prompt_ids" in obj):
             raise RetraceError(f"{p}:{n}: each line needs a 'prompt' string or 'prompt_ids' list")
+        if isinstance(obj.get("prompt"), str) and len(obj["prompt"]) > max_chars:
+            raise RetraceError(f"{p}:{n}: the prompt has {len(obj['prompt'])} characters, at most {max_chars} "
+                               "are allowed")
         if isinstance(obj.get("prompt"), str) and not is_text(obj["prompt"]):
             raise RetraceError(f"{p}:{n}: the prompt is not valid Unicode text (a lone surrogate such as \\ud800)")
         if "prompt_ids" in obj:

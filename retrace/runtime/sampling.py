@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from retrace.errors import RetraceError
+from retrace.request_validation import check_sampling
 
 
 @dataclass
@@ -32,25 +32,14 @@ class SamplingParams:
     min_tokens: int = 0  # EOS cannot be generated before this many new tokens (transformers' min_new_tokens)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise RetraceError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise RetraceError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise RetraceError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RetraceError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise RetraceError(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
-                               f"got {self.min_tokens!r}")
-        if any(not s for s in self.stop):
-            raise RetraceError("stop strings must be non-empty")
+        """retrace/request_validation.py's check (the one every entrance shares); normalizes in place: a
+        temperature below 1e-5 becomes 0 (greedy), stop a tuple. Raises InvalidParameter (a RetraceError)."""
+        for k, v in check_sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.seed,
+                                   self.stop, self.ignore_eos, self.min_tokens).items():
+            setattr(self, k, v)
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +59,26 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def unsampleable(probs: torch.Tensor) -> torch.Tensor:
+    """probs [..., V] -> bool [...]: the rows that are no distribution (a non-finite entry, or no mass), which
+    torch.multinomial refuses. One reduction per row: the check costs one sum, not one pass per element."""
+    mass = probs.sum(-1)
+    return ~(torch.isfinite(mass) & (mass > 0))
+
+
+def guard_rows(probs: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """probs [N, ..., V] -> (probs with every unsampleable row replaced by a one-hot on token 0, so the
+    round can go on for its batch-mates; the indices of those rows)."""
+    bad = unsampleable(probs).reshape(probs.shape[0], -1).any(-1)
+    if not bool(bad.any()):
+        return probs, []
+    rows = bad.nonzero().flatten().tolist()
+    probs = probs.clone()
+    probs[rows] = 0.0
+    probs[rows, ..., 0] = 1.0
+    return probs, rows
 
 
 def mask_early_eos(logits: torch.Tensor, produced: list[int], min_tokens: list[int],

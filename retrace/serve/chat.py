@@ -44,8 +44,14 @@ class ChatTemplate:
 
     def render(self, messages: list[dict]) -> str:
         """The prompt text for ``messages`` ({"role", "content"}), ending with the assistant's turn."""
+        from jinja2 import TemplateError
+
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                       add_generation_prompt=True)
-        except Exception as e:  # jinja raises for messages the template refuses (e.g. role order)
-            raise RetraceError(f"the chat template refused these messages: {e}") from None
+        except TemplateError as e:  # raise_exception(...) for messages it refuses, an undefined name, bad syntax
+            raise RetraceError(f"the chat template refused these messages: {type(e).__name__}: {e}") from None
+        except RetraceError:  # the time limit (serve/offload.py)
+            raise
+        except Exception as e:  # a template error of another kind (a TypeError in a filter, ...)
+            raise RetraceError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None

@@ -79,6 +79,11 @@ class _TritonSink:
 
     def error(self, message, kind="internal"):
         self.sender.send(_error(message, kind), flags=_FINAL)
+        if self.metrics is not None:  # cancelled and failed requests are counted too (no acceptance stats)
+            try:
+                self.metrics.observe(self.mode, {}, "cancelled" if kind == "cancelled" else "error")
+            except Exception as e:
+                _log(f"metrics update failed: {type(e).__name__}: {e}")
 
     def is_cancelled(self):
         return self.sender.is_cancelled()

@@ -22,6 +22,7 @@ from retrace.export.triton.conventions import (
     check_trtllm,
     parse_sampling_parameters,
 )
+from retrace.request_validation import MAX_PROMPT_CHARS, InvalidParameter, check_prompt_text, check_sampling
 
 # name -> (Triton data type, optional?) ; the single source for config.pbtxt and for validation. Every input
 # is optional for Triton (the two conventions send different sets); parse_request says what is missing.
@@ -53,8 +54,6 @@ INPUTS: dict[str, tuple[str, bool]] = {
 LISTS = frozenset({"input_ids", "stop", "stop_words", "bad_words"})  # dims [-1]; every other input dims [1]
 OUTPUTS: dict[str, str] = {"text_output": "TYPE_STRING", "output_ids": "TYPE_INT64", "stats": "TYPE_STRING"}
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 INT32_MAX = 2**31 - 1
 
 
@@ -152,16 +151,6 @@ def _bool(name: str, arr: np.ndarray) -> bool:
     return bool(_single(name, arr))
 
 
-def _check_stops(stops: list[str], where: str) -> None:
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"{where} has {len(stops)} strings, at most {MAX_STOP_STRINGS} are allowed")
-    for s in stops:
-        if not s:
-            raise RequestError(f"{where} contains an empty string")
-        if len(s) > MAX_STOP_CHARS:
-            raise RequestError(f"{where} has a string longer than {MAX_STOP_CHARS} characters")
-
-
 def _parse_parameters(parameters: str | Mapping[str, Any] | None) -> dict[str, Any]:
     if parameters is None or parameters == "":
         return {}
@@ -211,6 +200,10 @@ def parse_request(
         prompt_text = texts[0]
         if not prompt_text:
             raise RequestError("input 'text_input' is an empty prompt")
+        try:  # by its size, before anything tokenizes it
+            check_prompt_text(prompt_text, MAX_PROMPT_CHARS, "input 'text_input'")
+        except InvalidParameter as e:
+            raise RequestError(str(e)) from None
     else:
         assert ids_arr is not None
         _check_kind("input_ids", ids_arr, _INT_KINDS, "INT64 or INT32")
@@ -277,20 +270,16 @@ def parse_request(
         )
 
     spec = RequestSpec(prompt_text=prompt_text, prompt_ids=prompt_ids, max_tokens=max_tokens, mode=limits.default_mode)
-    for field, (v, where) in fields.items():
-        if field == "temperature" and v < 0:
-            raise RequestError(f"{where} must be >= 0, got {v}")
-        if field == "top_p" and not 0.0 < v <= 1.0:
-            raise RequestError(f"{where} must be in (0, 1], got {v}")
-        if field == "top_k" and v < 0:
-            raise RequestError(f"{where} must be >= 0 (0 disables it), got {v}")
-        if field == "seed" and v < 0:
-            raise RequestError(f"{where} must be >= 0, got {v}")
-        if field == "min_tokens" and not 0 <= v <= max_tokens:
-            raise RequestError(f"{where} must be in [0, max_tokens={max_tokens}], got {v}")
-        if field == "stop":
-            _check_stops(v, where)
-        setattr(spec, field, v)
+    given = {field: v for field, (v, _) in fields.items()}
+    try:  # the check every entrance shares (retrace/request_validation.py): temperature < 1e-5 is greedy
+        checked = check_sampling(max_tokens, given.get("temperature", spec.temperature), given.get("top_p", spec.top_p),
+                                 given.get("top_k", spec.top_k), given.get("seed"), given.get("stop", []),
+                                 given.get("ignore_eos", False), given.get("min_tokens", 0))
+    except InvalidParameter as e:
+        field = "max_tokens" if e.param == "max_new_tokens" else e.param
+        raise RequestError(f"{fields[field][1] if field in fields else repr(field)} {e.problem}") from None
+    for field in fields:
+        setattr(spec, field, list(checked[field]) if field == "stop" else checked[field])
     if (a := get("mode")) is not None:
         modes = _strings("mode", a)
         if len(modes) != 1:
