@@ -58,6 +58,8 @@ class BenchConfig:
     tree_fixed: tuple[int, ...] = ()
     tree_sources: str = "topk,suffix,target"
     prompt_lookup: bool = False  # also retrace-<backend>-<mode>-lookup: verify_policy + prompt lookup
+    device: str | None = None  # the torch backend's device (None: cpu) and dtype (None: float32)
+    dtype: str | None = None
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -206,7 +208,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
 
         log("loading the torch runtime")
         rt = Runtime.from_dirs(cfg.target, cfg.drafter, backend="torch", max_batch=max_batch,
-                               max_seq_len=max_seq_len, threads=threads)
+                               max_seq_len=max_seq_len, threads=threads, device=cfg.device, dtype=cfg.dtype)
         _retrace_systems(built, rt, "torch", cfg)
 
     # ours, ONNX Runtime backend

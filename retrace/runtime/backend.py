@@ -13,6 +13,7 @@ import torch
 
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
+from retrace.runtime.device import host_values
 
 
 @runtime_checkable
@@ -53,8 +54,6 @@ class Backend(Protocol):
 
 def contiguous_range(slots: torch.Tensor) -> slice | None:
     """slots == [a, a+1, ..., a+N-1] -> slice(a, a+N) (a view, no gather), else None."""
-    n = slots.numel()
-    first = int(slots[0])
-    if n == 1 or bool((slots == torch.arange(first, first + n, device=slots.device)).all()):
-        return slice(first, first + n)
-    return None
+    values = host_values(slots)  # the host copy when the loop built the tensor (no device read)
+    first, n = values[0], len(values)
+    return slice(first, first + n) if values == list(range(first, first + n)) else None
