@@ -31,6 +31,7 @@ import torch
 
 from retrace.errors import RetraceError
 from retrace.runtime.backend import Backend
+from retrace.runtime.detokenize import IncrementalText
 from retrace.runtime.device import device_of, host_values, index_tensor, read
 from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees, check_budget, parse_sources
 from retrace.runtime.prompt_lookup import PromptLookup
@@ -68,6 +69,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted_text: int = 0  # chars of `text` already streamed
+    detok: IncrementalText | None = None  # keeps `text` current, decoding a short window per round
     finished: bool = False
     finish_reason: str | None = None
     stats: AcceptStats = field(default_factory=AcceptStats)
@@ -443,8 +445,11 @@ class Scheduler:
                 break
         delta = ""
         if self.codec is not None:
-            r.text = self.codec.decode(r.output_ids)
-            if p.stop and _find_stop(r.text, p.stop) >= 0:
+            r.detok = r.detok or IncrementalText(self.codec)
+            # a stop string not in the earlier (final) text can only end in the new text: search from there
+            start = max(0, len(r.detok.stable) - max((len(s) for s in p.stop), default=0))
+            r.text = r.detok.update(r.output_ids)
+            if p.stop and _find_stop(r.text, p.stop, start) >= 0:
                 # Stop right after the token that completes the stop string, as one token per round
                 # would: the tokens of the accepted block after it are dropped, never emitted.
                 for n in range(n0 + 1, len(r.output_ids) + 1):
@@ -512,6 +517,6 @@ def _ranges(starts: list[int], width: int) -> list[list[int]]:
     return [list(range(p, p + width)) for p in starts]
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Index of the earliest stop string in text, -1 if none."""
-    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+def _find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:
+    """Index of the earliest stop string in text[start:] (an index into text), -1 if none."""
+    return min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
