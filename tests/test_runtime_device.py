@@ -192,3 +192,37 @@ def _main():
     from retrace.cli import main
 
     return main
+
+
+# -- the cost model learns from the stopwatch ----------------------------------------------------------------
+class Ticks:
+    """A stopwatch whose every interval between two consecutive marks is 1 ms."""
+
+    def __init__(self):
+        self.n = 0
+
+    def mark(self) -> int:
+        self.n += 1
+        return self.n
+
+    def seconds(self, start: int, end: int) -> float:
+        return (end - start) * 1e-3
+
+
+def test_the_cost_model_sees_the_stopwatchs_times(pair):
+    """The adaptive policy's cost model learns the loop stopwatch's durations (CUDA events on CUDA, host
+    timers on the CPU), read after the round's one host read."""
+    from retrace.runtime.stopwatch import CudaStopwatch, HostStopwatch, stopwatch_for
+
+    assert isinstance(stopwatch_for(torch.device("cuda")), CudaStopwatch)
+    assert isinstance(stopwatch_for(torch.device("cpu")), HostStopwatch)
+    rt = Runtime.from_dirs(*pair, max_batch=2, max_seq_len=64, verify_policy="adaptive")
+    sched = rt.scheduler()
+    assert isinstance(sched.clock, HostStopwatch)
+    sched.clock = Ticks()
+    rt.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True), "dflash")
+    cost = sched.policy.cost
+    seen = [s for table in cost.verify_s.values() for s in table.values()] + list(cost.draft_s.values())
+    assert seen and all(s == pytest.approx(1e-3) for s in seen), cost.to_dict()
+    rounds = sched.stats["dflash"].rounds // 2  # both rows run every round (same length)
+    assert rt.run_stats()["time"]["verify_s"] == pytest.approx(1e-3 * rounds)

@@ -46,6 +46,7 @@ from retrace.runtime.sampling import (
     speculative_accept,
 )
 from retrace.runtime.stats import AcceptStats, Timing
+from retrace.runtime.stopwatch import stopwatch_for
 from retrace.runtime.suffix_memory import SuffixMemory
 from retrace.runtime.tokenizer import TextCodec
 from retrace.runtime.tree_accept import (
@@ -135,6 +136,7 @@ class Scheduler:
         self.tree_budget = check_budget(tree_budget, self.block_size)
         self.tree_sources = parse_sources(tree_sources)
         self.tree_rates = SourceRates()
+        self.clock = stopwatch_for(self.device)  # host timers on the CPU, CUDA events on CUDA
         self.trajectory = (RejectedTrajectory(backend.max_batch, self.block_size, device=self.device)
                            if dc is not None else None)
         # per source: [tree nodes whose parent was accepted, of those accepted, accepted that only it proposed]
@@ -250,9 +252,9 @@ class Scheduler:
         # 1. draft (the drafter always fills the whole block; the policy picks K drafts per row to verify)
         hidden = q = draft_logits = verified = None
         drafts = torch.zeros(N, 0, dtype=torch.int64, device=dev)
-        t_draft = None
+        draft_marks = None  # the stopwatch's marks around the draft call (device time on CUDA)
         if S > 0:
-            t0 = time.perf_counter()
+            draft_marks = [self.clock.mark()]
             B = self.block_size
             block_ids = torch.cat([anchor.unsqueeze(1), torch.full((N, B - 1), self.mask_id, device=dev)], dim=1)
             ctx_taps, ctx_pos = self._context(reqs)
@@ -262,8 +264,7 @@ class Scheduler:
             draft_logits = draft_logits[:, :S]
             drafts, q = self._propose(draft_logits, reqs)
             verified = self.policy.choose(mode, draft_logits, drafts, q) if not tree else None
-            t_draft = time.perf_counter() - t0
-            self.timing.draft += t_draft
+            draft_marks.append(self.clock.mark())
         lookup = S == 0 and self.lookup is not None and mode != "ar"
         if lookup:  # no drafter call: the request's own tokens may still offer a few drafts
             drafts, lengths = self.lookup.propose(reqs, self.block_size - 1)
@@ -271,22 +272,23 @@ class Scheduler:
             drafts, verified = drafts[:, :k].to(dev), index_tensor(lengths.clamp_max(k).tolist(), dev)  # host-built
         K = max(host_values(verified)) if verified is not None else 0  # policies build K on the host
 
+        t_draft = verify_marks = None
         if tree:  # 2.-4. on a draft tree
+            t_draft = self.clock.seconds(*draft_marks)
+            self.timing.draft += t_draft
             accepted, bonus, drafts, taps, verified = self._tree_round(reqs, slots, anchor, anchor_pos, hidden,
                                                                        draft_logits, drafts, q, t_draft)
         else:
             # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
-            t0 = time.perf_counter()
+            verify_marks = [self.clock.mark()]
             block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)
             logits, taps = self.backend.target(slots, block[:, : K + 1], index_tensor(_ranges(anchor_host, K + 1), dev),
                                                torch.arange(K + 1, device=dev).expand(N, K + 1))
-            t_verify = time.perf_counter() - t0
-            self.timing.verify += t_verify
+            verify_marks.append(self.clock.mark())
             logits = self._min_length(logits, reqs)
 
             # 3. accept
             accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
-            self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
             if lookup:
                 self.lookup.observe(verified, accepted)
 
@@ -299,6 +301,12 @@ class Scheduler:
         ks = host_values(verified) if verified is not None else [0] * N
         D = drafts.shape[1]
         host = read(torch.cat([accepted.view(N, 1), bonus.view(N, 1), drafts.view(N, D)], dim=1).to(torch.int64))
+        if verify_marks is not None:  # after the read: the marks' device work has completed
+            t_draft = self.clock.seconds(*draft_marks) if draft_marks is not None else None
+            t_verify = self.clock.seconds(*verify_marks)
+            self.timing.draft += t_draft or 0.0
+            self.timing.verify += t_verify
+            self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
         for i, (r, row, k) in enumerate(zip(reqs, host, ks, strict=True)):
             a, b, d = row[0], row[1], row[2:]
             r.stats.record(a, k, S)
@@ -315,7 +323,7 @@ class Scheduler:
         N = len(reqs)
         dev = self.device
         rows = torch.arange(N, device=dev)
-        t0 = time.perf_counter()
+        t0 = self.clock.mark()
         sampling = [q[i] is not None for i in range(N)]
         tree = build_trees(draft_logits.float().softmax(-1), anchor, self.tree_budget, self.tree_sources,
                            self.trajectory.read(slots), self.tree_rates,
@@ -323,7 +331,7 @@ class Scheduler:
                                     if any(sampling) else None))
         tree = tree.truncate(self.policy.choose_tree(reqs[0].mode, tree))
         M = tree.nodes
-        t_build = time.perf_counter() - t0
+        t1 = self.clock.mark()
         logits, taps = self.backend.target(slots, tree.tokens, anchor_pos.unsqueeze(1) + tree.depth,
                                            torch.arange(M, device=dev).expand(N, M), tree_mask=tree.ancestor_mask())
         logits = self._min_length(logits, reqs, tree.depth)
@@ -337,7 +345,7 @@ class Scheduler:
         path_len = tree.depth[rows, end]
         L = path.shape[1]
         self.backend.commit_path(slots, anchor_pos.unsqueeze(1) + path, anchor_pos.unsqueeze(1) + torch.arange(L, device=dev))
-        t_verify = time.perf_counter() - t0
+        t_build, t_verify = self.clock.seconds(t0, t1), self.clock.seconds(t0, self.clock.mark())
         self.timing.verify += t_verify
         self.policy.observe_tree(reqs[0].mode, N, M, t_verify - t_build, t_draft + t_build, tree, path, accepted)
         for s, (tries, hits, only_tries, only_hits) in source_counts(tree, path, accepted).items():
