@@ -93,15 +93,16 @@ class Runtime:
                   threads: int | None = None, verify_policy: str | VerifyPolicy = "adaptive",
                   tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES,
                   prompt_lookup: bool | PromptLookup = False, device: str | None = None,
-                  dtype: str | None = None) -> Runtime:
-        """device: "cpu" (default), "cuda", "cuda:N"; dtype: "bfloat16" | "float16" | "float32" (default)."""
+                  dtype: str | None = None, compile: bool | str = False) -> Runtime:
+        """device: "cpu" (default), "cuda", "cuda:N"; dtype: "bfloat16" | "float16" | "float32" (default);
+        compile: the torch backend's steps under torch.compile(fullgraph=True) (runtime/compiled_step.py)."""
         if backend != "torch":
             raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
                                "with --target/--drafter use the torch backend")
         from retrace.runtime.torch_backend import TorchBackend
 
         be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=max_batch, max_seq_len=max_seq_len,
-                                    threads=threads, device=device, dtype=dtype)
+                                    threads=threads, device=device, dtype=dtype, compile=compile)
         return cls(be, TextCodec.find(target_dir), block_size, verify_policy, tree_budget, tree_sources, prompt_lookup)
 
     @classmethod

@@ -15,6 +15,7 @@ import torch
 from retrace.models.drafter import DFlashDrafter, SuffixInputs, load_pair
 from retrace.models.target import Qwen3Target
 from retrace.runtime.backend import contiguous_range
+from retrace.runtime.compiled_step import CompiledStep
 from retrace.runtime.device import host_values, resolve_device, resolve_dtype
 
 
@@ -54,9 +55,12 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int = 8,
-                 max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str | None = None):
+                 max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str | None = None,
+                 compile: bool | str = False):
         """device: where the caches and every tensor in and out live (default: the target's); the models
-        must be there already (`from_dirs` puts them there)."""
+        must be there already (`from_dirs` puts them there). compile: run the target's and the drafter's
+        steps under torch.compile(fullgraph=True) (True = inductor; or a compiler name of
+        runtime/compiled_step.py; False: eager)."""
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device) if device is not None else target.lm_head.weight.device
@@ -68,6 +72,12 @@ class TorchBackend:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.dtype = target.lm_head.weight.dtype
+        self.compiled = compile
+        self.target_step, self.draft_step = target, drafter
+        if compile:
+            compiler = "inductor" if compile is True else compile
+            self.target_step = CompiledStep(target, "target", compiler)
+            self.draft_step = CompiledStep(drafter, "drafter", compiler) if drafter is not None else None
         tc = target.config.layers
         with self.device:
             self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len, tc.head_dim,
@@ -107,8 +117,8 @@ class TorchBackend:
                                                                                logits_index, tree_mask)
         past_len = positions[:, 0]
         with self._autocast():
-            logits, taps, nk, nv = self.target_model(input_ids, positions, pk, pv, past_len, logits_index,
-                                                      tree_mask=tree_mask)
+            logits, taps, nk, nv = self.target_step(input_ids, positions, pk, pv, past_len, logits_index.contiguous(),
+                                                    tree_mask=tree_mask)
         if tree_mask is not None:  # node m's K/V at scratch index positions[:, 0] + m (see commit_path)
             positions = past_len.unsqueeze(1) + torch.arange(input_ids.shape[1], device=positions.device)
         self.tcache.write(slots, positions, nk, nv)
@@ -130,8 +140,8 @@ class TorchBackend:
                                                             suffix.corr_index)
             suffix = SuffixInputs(memory.to(dt), features.to(dt), valid.to(dt), corr)
         with self._autocast():
-            hidden, logits, nk, nv = self.drafter_model(ctx_taps.to(dt), ctx_positions, pk, pv,
-                                                        ctx_positions[:, 0], block_ids, block_positions, suffix)
+            hidden, logits, nk, nv = self.draft_step(ctx_taps.to(dt), ctx_positions, pk, pv,
+                                                     ctx_positions[:, 0], block_ids, block_positions, suffix)
         self.dcache.write(slots, ctx_positions, nk, nv)
         return hidden.float(), logits.float()
 
