@@ -1,0 +1,31 @@
+# Sourced by scripts/gpu_check.sh and scripts/gpu_bench.sh (needs ROOT and PY; reads the script's "$@").
+# Sets DRY (1 with --dry-run). Not a dry run: the carried wheels in .whl/ whose distribution is missing or too
+# old (always transformers) go to a private --target dir put first on PYTHONPATH; the machine's torch is kept.
+DRY=0
+for a in "$@"; do [ "$a" = "--dry-run" ] && DRY=1; done
+if [ "$DRY" = 0 ] && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+  SITE="${GC_SITE:-/tmp/retrace-site}"
+  # which carried wheels are needed: transformers always (the machine's is outside our pinned range),
+  # the others only if their distribution is not importable at all
+  NEED=$($PY - "$ROOT/.whl" <<'PYEOF'
+import sys, pathlib, importlib.metadata as md
+for w in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    dist = w.name.split("-")[0].replace("_", "-").lower()
+    try:
+        have = md.version(dist)
+    except md.PackageNotFoundError:
+        have = None
+    if dist == "transformers" or have is None:
+        print(w)
+PYEOF
+)
+  if [ -n "$NEED" ]; then
+    echo "[carried] installing carried wheels into $SITE: $(echo $NEED | xargs -n1 basename | tr '\n' ' ')"
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" $NEED \
+      && export PYTHONPATH="$SITE:$PYTHONPATH" \
+      || echo "[carried] WARNING: wheel install failed; continuing with the machine's packages"
+  fi
+fi
+$PY -c 'import transformers, retrace; print("[carried] transformers", transformers.__version__, "from", transformers.__file__); print("[carried] retrace from", retrace.__file__)' \
+  || echo "[carried] WARNING: import check failed (the driver records the details)"
+

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The prepared GPU benchmark of the runtime (issue 24).  Usage: scripts/gpu_bench.sh OUTDIR [--dry-run] [--shapes S]
+#   On a lent H200 (no network, no pip): Qwen3-8B- and Qwen3-0.6B-shaped random bf16 pairs built on the device,
+#   rounds at fixed K and at controlled tau, against a static-cache CUDA-graph reference, transformers eager and
+#   the weights' bandwidth roofline; CUDA-event timings and per-round launches / syncs / host reads
+#   (python -m retrace.gpucheck.bench --help).  --dry-run: the same steps on the CPU at toy size (the tests run it).
+# Installs nothing into the machine's torch (carried wheels as in scripts/gpu_check.sh).
+# Writes OUTDIR/gpu_bench.json (rewritten after every section). Exit 0 when the JSON was written.
+set -u
+OUT="${1:?usage: scripts/gpu_bench.sh OUTDIR [--dry-run] [--shapes S]}"
+shift
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=true
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+echo "[gpu_bench] $(date -u +%FT%TZ) root $ROOT python $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+. "$ROOT/scripts/carried_wheels.sh"
+
+cd "$ROOT"
+$PY -m retrace.gpucheck.bench "$OUT" "$@"
+RC=$?
+if [ -s "$OUT/gpu_bench.json" ]; then
+  [ "$RC" = 0 ] || echo "[gpu_bench] driver exited $RC, but the JSON exists"
+  exit 0
+fi
+echo "[gpu_bench] ERROR: no $OUT/gpu_bench.json (driver exit $RC)"
+exit "${RC/#0/1}"
