@@ -15,14 +15,6 @@ mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=true
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 echo "[gpu_bench] $(date -u +%FT%TZ) root $ROOT python $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
-. "$ROOT/scripts/carried_wheels.sh"
+. "$ROOT/scripts/gpu_common.sh"
 
-cd "$ROOT"
-$PY -m retrace.gpucheck.bench "$OUT" "$@"
-RC=$?
-if [ -s "$OUT/gpu_bench.json" ]; then
-  [ "$RC" = 0 ] || echo "[gpu_bench] driver exited $RC, but the JSON exists"
-  exit 0
-fi
-echo "[gpu_bench] ERROR: no $OUT/gpu_bench.json (driver exit $RC)"
-exit "${RC/#0/1}"
+run_driver gpu_bench "$OUT/gpu_bench.json" $PY -m retrace.gpucheck.bench "$OUT" "$@"

@@ -17,14 +17,6 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OF
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 echo "[gpu_check] $(date -u +%FT%TZ) root $ROOT python $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
-. "$ROOT/scripts/carried_wheels.sh"  # sets DRY; on a GPU machine: the carried wheels (.whl/) it lacks
+. "$ROOT/scripts/gpu_common.sh"  # sets DRY; on a GPU machine: the carried wheels (.whl/) it lacks
 
-cd "$ROOT"
-$PY -m retrace.gpucheck "$OUT" "$@"
-RC=$?
-if [ -s "$OUT/gpu_check.json" ]; then
-  [ "$RC" = 0 ] || echo "[gpu_check] driver exited $RC, but the JSON exists"
-  exit 0
-fi
-echo "[gpu_check] ERROR: no $OUT/gpu_check.json (driver exit $RC)"
-exit "${RC/#0/1}"
+run_driver gpu_check "$OUT/gpu_check.json" $PY -m retrace.gpucheck "$OUT" "$@"

@@ -1,6 +1,7 @@
 # Sourced by scripts/gpu_check.sh and scripts/gpu_bench.sh (needs ROOT and PY; reads the script's "$@").
 # Sets DRY (1 with --dry-run). Not a dry run: the carried wheels in .whl/ whose distribution is missing or too
 # old (always transformers) go to a private --target dir put first on PYTHONPATH; the machine's torch is kept.
+# Defines run_driver NAME JSON CMD...: runs the driver; exit 0 when it wrote JSON (failed sections are in it).
 DRY=0
 for a in "$@"; do [ "$a" = "--dry-run" ] && DRY=1; done
 if [ "$DRY" = 0 ] && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
@@ -29,3 +30,17 @@ fi
 $PY -c 'import transformers, retrace; print("[carried] transformers", transformers.__version__, "from", transformers.__file__); print("[carried] retrace from", retrace.__file__)' \
   || echo "[carried] WARNING: import check failed (the driver records the details)"
 
+
+run_driver() {
+  local name="$1" json="$2"
+  shift 2
+  cd "$ROOT"
+  "$@"
+  local rc=$?
+  if [ -s "$json" ]; then
+    [ "$rc" = 0 ] || echo "[$name] driver exited $rc, but the JSON exists"
+    exit 0
+  fi
+  echo "[$name] ERROR: no $json (driver exit $rc)"
+  exit "${rc/#0/1}"
+}
