@@ -10,11 +10,7 @@ set -u
 OUT="${1:?usage: scripts/gpu_bench.sh OUTDIR [--dry-run] [--shapes S]}"
 shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-python3}"
-mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=true
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-echo "[gpu_bench] $(date -u +%FT%TZ) root $ROOT python $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+NAME=gpu_bench
 . "$ROOT/scripts/gpu_common.sh"
 
-run_driver gpu_bench "$OUT/gpu_bench.json" $PY -m retrace.gpucheck.bench "$OUT" "$@"
+run_driver "$NAME" "$OUT/gpu_bench.json" $PY -m retrace.gpucheck.bench "$OUT" "$@"

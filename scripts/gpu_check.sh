@@ -11,12 +11,7 @@ set -u
 OUT="${1:?usage: scripts/gpu_check.sh OUTDIR [--dry-run] [flags]}"
 shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-python3}"
-mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=true
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-echo "[gpu_check] $(date -u +%FT%TZ) root $ROOT python $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
-
+NAME=gpu_check
 . "$ROOT/scripts/gpu_common.sh"  # sets DRY; on a GPU machine: the carried wheels (.whl/) it lacks
 
-run_driver gpu_check "$OUT/gpu_check.json" $PY -m retrace.gpucheck "$OUT" "$@"
+run_driver "$NAME" "$OUT/gpu_check.json" $PY -m retrace.gpucheck "$OUT" "$@"

@@ -1,7 +1,12 @@
-# Sourced by scripts/gpu_check.sh and scripts/gpu_bench.sh (needs ROOT and PY; reads the script's "$@").
-# Sets DRY (1 with --dry-run). Not a dry run: the carried wheels in .whl/ whose distribution is missing or too
+# Sourced by scripts/gpu_check.sh and scripts/gpu_bench.sh (needs NAME, OUT and ROOT; reads the script's "$@").
+# Sets PY ($PYTHON or python3), makes OUT absolute, the offline environment, DRY (1 with --dry-run). Not a dry run: the carried wheels in .whl/ whose distribution is missing or too
 # old (always transformers) go to a private --target dir put first on PYTHONPATH; the machine's torch is kept.
 # Defines run_driver NAME JSON CMD...: runs the driver; exit 0 when it wrote JSON (failed sections are in it).
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=true
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+echo "[$NAME] $(date -u +%FT%TZ) root $ROOT python $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 DRY=0
 for a in "$@"; do [ "$a" = "--dry-run" ] && DRY=1; done
 if [ "$DRY" = 0 ] && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
@@ -21,14 +26,14 @@ for w in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 PYEOF
 )
   if [ -n "$NEED" ]; then
-    echo "[carried] installing carried wheels into $SITE: $(echo $NEED | xargs -n1 basename | tr '\n' ' ')"
+    echo "[$NAME] installing carried wheels into $SITE: $(echo $NEED | xargs -n1 basename | tr '\n' ' ')"
     $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" $NEED \
       && export PYTHONPATH="$SITE:$PYTHONPATH" \
-      || echo "[carried] WARNING: wheel install failed; continuing with the machine's packages"
+      || echo "[$NAME] WARNING: wheel install failed; continuing with the machine's packages"
   fi
 fi
-$PY -c 'import transformers, retrace; print("[carried] transformers", transformers.__version__, "from", transformers.__file__); print("[carried] retrace from", retrace.__file__)' \
-  || echo "[carried] WARNING: import check failed (the driver records the details)"
+$PY -c 'import transformers, retrace; print("['"$NAME"'] transformers", transformers.__version__, "from", transformers.__file__); print("['"$NAME"'] retrace from", retrace.__file__)' \
+  || echo "[$NAME] WARNING: import check failed (the driver records the details)"
 
 
 run_driver() {
