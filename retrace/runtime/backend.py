@@ -2,7 +2,8 @@
 
 Caches are preallocated per slot and indexed by absolute position (see docs/INTERFACES.md): a call that
 feeds tokens at positions p..p+T-1 writes their K/V there and attends to entries < p, so "cropping" after a
-partial accept is only the next call's start position.
+partial accept is only the next call's start position. Tensors in and out live on the backend's `device`
+(an optional attribute, default cpu: runtime/device.py).
 """
 
 from __future__ import annotations

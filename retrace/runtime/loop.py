@@ -19,6 +19,8 @@ backend moves that path's K/V to its absolute positions (commit_path), and 4./5.
 accepted path continued by the best child) as a chain round's verify. The verify policy decides, before
 1., whether the round drafts at all (no draft: a plain decoding round) and, after it, how many of the tree's
 best-first nodes (<= tree_budget) it verifies (policy.choose_tree; fixed: all).
+Every tensor of a round lives on the backend's device (runtime/device.py); the host reads the round once, at
+5. (plus the adaptive policy's K), and times it with the device's clock (runtime/stopwatch.py).
 """
 
 from __future__ import annotations
