@@ -63,7 +63,8 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
 
 def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
                   verify_bundle: bool = True, verify_policy: str = "adaptive", tree_budget: int = 0,
-                  tree_sources: str = "topk,suffix,target", prompt_lookup: bool = False):
+                  tree_sources: str = "topk,suffix,target", prompt_lookup: bool = False, device: str | None = None,
+                  dtype: str | None = None, compile_steps: bool = False):
     """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch)."""
     from retrace.runtime import Runtime
 
@@ -75,11 +76,14 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
     if engine is not None:
         if target or drafter:
             raise RetraceError("give either --engine or --target/--drafter, not both")
+        if compile_steps:
+            raise RetraceError("--compile applies to the torch backend (--target/--drafter), not to a bundle")
         extra = {} if verify_bundle else {"verify": False}
         return Runtime.from_bundle(engine, backend=backend or "onnxruntime", block_size=block_size,
                                    max_batch=max_batch, max_seq_len=max_seq_len, threads=threads,
                                    verify_policy=verify_policy, tree_budget=tree_budget,
-                                   tree_sources=tree_sources, prompt_lookup=prompt_lookup, **extra)
+                                   tree_sources=tree_sources, prompt_lookup=prompt_lookup, device=device,
+                                   dtype=dtype, **extra)
     if target is None:
         raise RetraceError("give --target (and --drafter) or --engine")
     from retrace.models.config import Qwen3Config
@@ -90,7 +94,7 @@ def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, bloc
     return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch or 8,
                              max_seq_len=max_seq_len or min(2048, max_pos), block_size=block_size, threads=threads,
                              verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
-                             prompt_lookup=prompt_lookup)
+                             prompt_lookup=prompt_lookup, device=device, dtype=dtype, compile=compile_steps)
 
 
 def tree_options(fn):
@@ -107,6 +111,16 @@ def prompt_lookup_option(fn):
     return click.option("--prompt-lookup", is_flag=True,
                         help="in rounds without a drafter call, verify drafts copied from the request's own "
                              "prompt and output (n-gram lookup; greedy requests; runtime/prompt_lookup.py)")(fn)
+
+
+def device_options(fn):
+    """--device / --dtype (runtime/device.py), --compile (runtime/compiled_step.py)."""
+    fn = click.option("--compile", "compile_steps", is_flag=True,
+                      help="run the torch backend's target and drafter steps under torch.compile(fullgraph=True)")(fn)
+    fn = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+                      help="weights and caches of --target/--drafter [default: float32]")(fn)
+    return click.option("--device", default=None,
+                        help="where the torch backend runs: cpu, cuda, cuda:N [default: cpu]")(fn)
 
 
 def verify_policy_option(default: str):
@@ -133,6 +147,7 @@ def runtime_options(fn):
         verify_policy_option("adaptive"),
         tree_options,
         prompt_lookup_option,
+        device_options,
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -166,7 +181,7 @@ def sampling_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with outputs and stats")
 @cli_errors
 def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
-             verify_policy, tree_budget, tree_sources, prompt_lookup, prompt, prompt_ids,
+             verify_policy, tree_budget, tree_sources, prompt_lookup, device, dtype, compile_steps, prompt, prompt_ids,
              prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, min_tokens, ignore_eos,
              as_json) -> None:
     """Generate with speculative decoding (lossless: greedy output equals the target's own)."""
@@ -183,7 +198,8 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)
     rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
                        verify_bundle=not no_verify_bundle, verify_policy=verify_policy, tree_budget=tree_budget,
-                       tree_sources=tree_sources, prompt_lookup=prompt_lookup)
+                       tree_sources=tree_sources, prompt_lookup=prompt_lookup, device=device, dtype=dtype,
+                       compile_steps=compile_steps)
     if as_json:
         results = rt.generate(prompts, params, mode)
     else:
@@ -258,6 +274,7 @@ main.add_command(eval_cmd)
 @click.option("--tree-fixed", default="", help="also run retrace-<backend>-<mode>-tree<b>-fixed: trees of exactly "
                                                "b tokens a round, for each b of this comma list (e.g. 4,8,16)")
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
+@device_options
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
 @click.option("--weights", "weights", default="fp32", show_default=True,
@@ -267,7 +284,7 @@ main.add_command(eval_cmd)
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
           no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, tree_budget,
-          tree_sources, prompt_lookup, tree_fixed, markdown_out, from_json, weights) -> None:
+          tree_sources, prompt_lookup, tree_fixed, markdown_out, device, dtype, compile_steps, from_json, weights) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -279,7 +296,8 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()),
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
-                  tree_fixed=tree_fixed, prompt_lookup=prompt_lookup, weights=weights)
+                  tree_fixed=tree_fixed, prompt_lookup=prompt_lookup, weights=weights, device=device, dtype=dtype,
+                  compile_steps=compile_steps)
 
 
 from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)

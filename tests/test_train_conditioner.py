@@ -127,15 +127,17 @@ def test_train_conditioner_end_to_end(pair, tmp_path):
     assert cond.value.weight.abs().sum() > 0  # trained away from the zero init
 
 
-def test_device_backend_matches_torch_backend(pair):
-    """DeviceBackend (caches on an accelerator, CPU tensors in/out) run here on the CPU: same rounds."""
-    from retrace.train.rollout import DeviceBackend, TorchBackend, run_requests
+def test_make_backend_is_the_runtime_torch_backend(pair):
+    """Rollouts run on the runtime's own torch backend with a device (no separate GPU backend): the same
+    rounds as a TorchBackend built directly, and the records are host tensors (training data)."""
+    from retrace.train.rollout import TorchBackend, make_backend, run_requests
 
     target, drafter = pair.load()
     ps = prompts(6)
     outs = []
-    for cls in (TorchBackend, DeviceBackend):
-        be = cls(target, drafter, 3, 64) if cls is TorchBackend else cls(target, drafter, 3, 64, device=torch.device("cpu"))
+    for be in (TorchBackend(target, drafter, 3, 64), make_backend(target, drafter, 3, 64, device="cpu")):
+        assert type(be) is TorchBackend and be.device == torch.device("cpu")
         rolls, sched = run_requests(be, ps, "retrace", 16, block_size=8, record=True)
         outs.append(([r.output_ids for r in rolls], [len(r.rounds) for r in rolls], sched.stats["retrace"].rounds))
+        assert all(rec.memory.device.type == "cpu" for r in rolls for rec in r.rounds)
     assert outs[0] == outs[1]

@@ -59,6 +59,9 @@ class BenchConfig:
     tree_sources: str = "topk,suffix,target"
     prompt_lookup: bool = False  # also retrace-<backend>-<mode>-lookup: verify_policy + prompt lookup
     weights: tuple[str, ...] = ("fp32",)  # the precision axis (retrace.bench.precision): ours and the peers'
+    device: str | None = None  # the torch backend's device (None: cpu) and dtype (None: float32)
+    dtype: str | None = None
+    compile_steps: bool = False  # the torch backend's steps under torch.compile
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -209,7 +212,8 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
 
         log("loading the torch runtime")
         rt = Runtime.from_dirs(cfg.target, cfg.drafter, backend="torch", max_batch=max_batch,
-                               max_seq_len=max_seq_len, threads=threads)
+                               max_seq_len=max_seq_len, threads=threads, device=cfg.device, dtype=cfg.dtype,
+                               compile=cfg.compile_steps)
         _retrace_systems(built, rt, "torch", cfg)
 
     # ours, ONNX Runtime backend, at each precision (fp32: --engine when given)

@@ -99,7 +99,8 @@ def build(target, drafter, out, backend, dtype, weights, weight_block_size, accu
 
 
 def _write_triton(bundle: Path, out: Path, model_name: str, instances: int, max_batch: int, force: bool,
-                  env: Path | None = None, no_env: bool = False, verify_policy: str = "adaptive") -> None:
+                  env: Path | None = None, no_env: bool = False, verify_policy: str = "adaptive",
+                  device: str = "cpu") -> None:
     from retrace.export.triton.env import ensure_triton_env
     from retrace.export.triton.repository import write_repository
 
@@ -108,7 +109,8 @@ def _write_triton(bundle: Path, out: Path, model_name: str, instances: int, max_
         click.echo("preparing the python-backend environment (numpy<2; built once, cached) ...", err=True)
         env_path = ensure_triton_env().model_env
     repo = write_repository(bundle, out, model_name=model_name, instances=instances, max_batch=max_batch,
-                            env_path=env_path, force=force, verify_policy=verify_policy)
+                            env_path=env_path, force=force, verify_policy=verify_policy, device=device,
+                            backend="tensorrt" if device == "cuda" else "onnxruntime")
     click.echo(f"wrote Triton model repository {repo} (model {model_name!r}, env: {env_path or 'server Python'})")
     click.echo(f"serve it: python -m retrace.export.triton serve {repo} --model {model_name}")
 
@@ -127,12 +129,15 @@ def _write_triton(bundle: Path, out: Path, model_name: str, instances: int, max_
               "non-empty directory is refused")
 @click.option("--verify-policy", type=click.Choice(["adaptive", "fixed"]), default="adaptive", show_default=True,
               help="drafts verified per round (config.pbtxt RETRACE_VERIFY_POLICY)")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="instance kind: cpu (KIND_CPU, ONNX Runtime bundle) or cuda (KIND_GPU, TensorRT bundle; each "
+                   "instance on the GPU Triton assigns)")
 @cli_errors
-def triton(engine, out, model_name, instances, max_batch, env, no_env, force, verify_policy) -> None:
+def triton(engine, out, model_name, instances, max_batch, env, no_env, force, verify_policy, device) -> None:
     """Write a Triton Inference Server model repository (python backend, decoupled/streaming) for a bundle.
 
     Written atomically; the bundle is copied in. Concurrent requests are batched by retrace's runtime."""
-    _write_triton(engine, out, model_name, instances, max_batch, force, env, no_env, verify_policy)
+    _write_triton(engine, out, model_name, instances, max_batch, force, env, no_env, verify_policy, device)
 
 
 def _size(n: int) -> str:

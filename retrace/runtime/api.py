@@ -9,6 +9,7 @@ from pathlib import Path
 
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.runtime.backend import Backend
+from retrace.runtime.device import resolve_device
 from retrace.runtime.draft_tree import SOURCES, check_budget, parse_sources
 from retrace.runtime.loop import MODES, Event, Request, Scheduler
 from retrace.runtime.prompt_lookup import PromptLookup
@@ -22,6 +23,24 @@ BUNDLE_BACKENDS = {
     "onnxruntime": "retrace.runtime.onnxruntime_backend:OnnxRuntimeBackend",
     "tensorrt": "retrace.runtime.tensorrt_backend:TensorRTBackend",
 }
+# where a bundle backend runs (device type), and whether it takes a `device` argument
+BUNDLE_DEVICES = {"onnxruntime": ("cpu", False), "tensorrt": ("cuda", True)}
+
+
+def _bundle_device(backend: str, device, dtype) -> dict:
+    """The backend keyword arguments for device= / dtype= given to from_bundle (checked)."""
+    if dtype is not None:
+        raise RetraceError("a bundle's dtype is fixed when it is built (retrace-export build --dtype); --dtype "
+                           "applies to --target/--drafter")
+    if device is None or backend not in BUNDLE_DEVICES:
+        return {}
+    dev = resolve_device(device)
+    kind, takes = BUNDLE_DEVICES[backend]
+    if dev.type != kind:
+        raise RetraceError(f"the {backend} backend runs on {kind}, not {dev}; for --device {dev} run the torch "
+                           "backend (--target/--drafter)" if kind == "cpu" else
+                           f"the {backend} backend runs on {kind}, not {dev}")
+    return {"device": str(dev)} if takes else {}
 
 
 def _load_backend_class(name: str):
@@ -77,22 +96,28 @@ class Runtime:
                   max_batch: int = 8, max_seq_len: int = 2048, block_size: int | None = None,
                   threads: int | None = None, verify_policy: str | VerifyPolicy = "adaptive",
                   tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES,
-                  prompt_lookup: bool | PromptLookup = False) -> Runtime:
+                  prompt_lookup: bool | PromptLookup = False, device: str | None = None,
+                  dtype: str | None = None, compile: bool | str = False) -> Runtime:
+        """device: "cpu" (default), "cuda", "cuda:N"; dtype: "bfloat16" | "float16" | "float32" (default);
+        compile: the torch backend's steps under torch.compile(fullgraph=True) (runtime/compiled_step.py)."""
         if backend != "torch":
             raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
                                "with --target/--drafter use the torch backend")
         from retrace.runtime.torch_backend import TorchBackend
 
         be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=max_batch, max_seq_len=max_seq_len,
-                                    threads=threads)
+                                    threads=threads, device=device, dtype=dtype, compile=compile)
         return cls(be, TextCodec.find(target_dir), block_size, verify_policy, tree_budget, tree_sources, prompt_lookup)
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, backend: str = "onnxruntime", block_size: int | None = None,
                     verify_policy: str | VerifyPolicy = "adaptive", tree_budget: int = 0,
                     tree_sources: str | tuple[str, ...] = SOURCES, prompt_lookup: bool | PromptLookup = False,
-                    **backend_kwargs) -> Runtime:
-        be = _load_backend_class(backend).from_bundle(bundle_dir, **backend_kwargs)
+                    device: str | None = None, dtype: str | None = None, **backend_kwargs) -> Runtime:
+        """device: checked against where the bundle's backend runs (onnxruntime: cpu; tensorrt: cuda);
+        dtype: refused (a bundle's dtype is fixed when it is built)."""
+        extra = _bundle_device(backend, device, dtype)
+        be = _load_backend_class(backend).from_bundle(bundle_dir, **extra, **backend_kwargs)
         return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), block_size, verify_policy,
                    tree_budget, tree_sources, prompt_lookup)
 

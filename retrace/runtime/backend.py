@@ -2,7 +2,8 @@
 
 Caches are preallocated per slot and indexed by absolute position (see docs/INTERFACES.md): a call that
 feeds tokens at positions p..p+T-1 writes their K/V there and attends to entries < p, so "cropping" after a
-partial accept is only the next call's start position.
+partial accept is only the next call's start position. Tensors in and out live on the backend's `device`
+(an optional attribute, default cpu: runtime/device.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.models.drafter import SuffixInputs
+from retrace.runtime.device import host_values
 
 
 @runtime_checkable
@@ -53,8 +55,6 @@ class Backend(Protocol):
 
 def contiguous_range(slots: torch.Tensor) -> slice | None:
     """slots == [a, a+1, ..., a+N-1] -> slice(a, a+N) (a view, no gather), else None."""
-    n = slots.numel()
-    first = int(slots[0])
-    if n == 1 or bool((slots == torch.arange(first, first + n, device=slots.device)).all()):
-        return slice(first, first + n)
-    return None
+    values = host_values(slots)  # the host copy when the loop built the tensor (no device read)
+    first, n = values[0], len(values)
+    return slice(first, first + n) if values == list(range(first, first + n)) else None

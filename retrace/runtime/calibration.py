@@ -18,15 +18,17 @@ import torch
 
 class Calibration:
     def __init__(self, bins: int = 10, prior: torch.Tensor | None = None, prior_weight: float = 4.0,
-                 window: float = 500.0):
-        centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
-        rate = centres if prior is None else torch.as_tensor(prior, dtype=torch.float64)
+                 window: float = 500.0, device: torch.device | str = "cpu"):
+        centres = (torch.arange(bins, dtype=torch.float64, device=device) + 0.5) / bins
+        rate = centres if prior is None else torch.as_tensor(prior, dtype=torch.float64, device=device)
         self.bins = bins
         self.window = window
-        self.trials = torch.full((bins,), float(prior_weight), dtype=torch.float64)
+        self.trials = torch.full((bins,), float(prior_weight), dtype=torch.float64, device=device)
         self.hits = rate * self.trials
 
     def _bin(self, conf: torch.Tensor) -> torch.Tensor:
+        if self.hits.device != conf.device:  # the counts live where the confidences are computed
+            self.hits, self.trials = self.hits.to(conf.device), self.trials.to(conf.device)
         return (conf.double() * self.bins).long().clamp(0, self.bins - 1)
 
     def prob(self, conf: torch.Tensor) -> torch.Tensor:
@@ -37,11 +39,11 @@ class Calibration:
         """conf [N, S] of the drafted slots; verified [N] drafts the target judged (K); accepted [N] (a)."""
         if conf.numel() == 0:
             return
-        k = torch.arange(conf.shape[1]).unsqueeze(0)
+        k = torch.arange(conf.shape[1], device=conf.device).unsqueeze(0)
         a, K = accepted.unsqueeze(1), verified.unsqueeze(1)
         hit = k < a
         seen = hit | ((k == a) & (a < K))
-        self.observe_pairs(conf[seen], hit[seen])
+        self._add(conf.reshape(-1), hit.reshape(-1).double(), seen.reshape(-1).double())
 
     def to_dict(self) -> dict:
         return {"rate": [round(float(x), 4) for x in self.hits / self.trials],
@@ -52,9 +54,13 @@ class Calibration:
         whose parent was accepted)."""
         if conf.numel() == 0:
             return
+        self._add(conf, hit.double(), torch.ones_like(conf, dtype=torch.float64))
+
+    def _add(self, conf: torch.Tensor, hit: torch.Tensor, weight: torch.Tensor) -> None:
+        """Add weight[i] trials (weight[i] * hit[i] hits) to conf[i]'s bin; halve the bins past the window.
+        Scatter-adds and a where: no data-dependent shape, so nothing waits for the device."""
         idx = self._bin(conf)
-        self.trials += torch.bincount(idx, minlength=self.bins).double()
-        self.hits += torch.bincount(idx, weights=hit.double(), minlength=self.bins)
-        full = self.trials > self.window
-        self.trials[full] /= 2
-        self.hits[full] /= 2
+        self.trials = self.trials.scatter_add(0, idx, weight)
+        self.hits = self.hits.scatter_add(0, idx, weight * hit)
+        half = torch.where(self.trials > self.window, 0.5, 1.0)
+        self.trials, self.hits = self.trials * half, self.hits * half

@@ -6,14 +6,18 @@ the last one, or when only one exists, with the prior slope), or, for a row coun
 nearest measured one (a row count's first round uses its neighbour's). The prior slope is relative to a one-token verify: `rel_slope` extra per added token
 and row (on a 2-core CPU at the Qwen3-0.6B shape a verify of T tokens costs 1 + 0.06 (T - 1) of T = 1; on
 the zoo pair fixed per-call costs dominate and it is ~0). `probe()` measures it on a free slot.
+The timings come from the loop's stopwatch (runtime/stopwatch.py): host timers on the CPU, CUDA events on
+CUDA, so the costs stay the device's once the round runs asynchronously.
 """
 
 from __future__ import annotations
 
-import time
 from bisect import bisect_left
 
 import torch
+
+from retrace.runtime.device import device_of, index_tensor
+from retrace.runtime.stopwatch import stopwatch_for
 
 
 class CostModel:
@@ -88,29 +92,31 @@ def probe(backend, block_size: int, repeats: int = 2) -> CostModel:
     Optional (make_policy(..., probe=True), benchmarks/verify_policy.py): the rounds' own timings replace
     it within a few rounds, and a wrapped backend (tests' oracle drafters) may not accept such calls."""
     model = CostModel()
-    slot = torch.tensor([0])
+    dev = device_of(backend)
+    clock = stopwatch_for(dev)  # CUDA events on CUDA: the device's time, not the launch's
+    slot = index_tensor([0], dev)
     tc = backend.target_config
-    ids = torch.zeros(1, block_size, dtype=torch.int64)
-    pos = torch.arange(block_size).unsqueeze(0)
+    ids = torch.zeros(1, block_size, dtype=torch.int64, device=dev)
+    pos1, pos = index_tensor([[0]], dev), index_tensor([list(range(block_size))], dev)
 
     def best(fn) -> float:
         fn()  # warm-up (first-call allocations)
         times = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock.mark()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(clock.seconds(t0, clock.mark()))
         return min(times)
 
-    t1 = best(lambda: backend.target(slot, ids[:, :1], pos[:, :1], torch.zeros(1, 1, dtype=torch.int64)))
-    tB = best(lambda: backend.target(slot, ids, pos, torch.arange(block_size).unsqueeze(0)))
+    t1 = best(lambda: backend.target(slot, ids[:, :1], pos1, torch.zeros(1, 1, dtype=torch.int64, device=dev)))
+    tB = best(lambda: backend.target(slot, ids, pos, torch.arange(block_size, device=dev).unsqueeze(0)))
     model.base_s = t1
     model.rel_slope = max(0.0, (tB - t1) / ((block_size - 1) * t1))
     model.observe_verify(1, 1, t1)
     model.observe_verify(1, block_size, tB)
     dc = backend.drafter_config
     if dc is not None:
-        taps = torch.zeros(1, block_size, tc.hidden_size * dc.num_taps)
-        block = torch.full((1, block_size), dc.mask_token_id, dtype=torch.int64)
+        taps = torch.zeros(1, block_size, tc.hidden_size * dc.num_taps, device=dev)
+        block = torch.full((1, block_size), dc.mask_token_id, dtype=torch.int64, device=dev)
         model.observe_draft(1, best(lambda: backend.draft(slot, taps, pos, block, pos, None)))
     return model

@@ -69,7 +69,7 @@ class DraftTree:
 
     def valid(self) -> torch.Tensor:
         """[N, M] bool: real nodes (not padding)."""
-        return torch.arange(self.nodes).unsqueeze(0) < self.size.unsqueeze(1)
+        return torch.arange(self.nodes, device=self.size.device).unsqueeze(0) < self.size.unsqueeze(1)
 
     def truncate(self, budget: int) -> DraftTree:
         """The first `budget` nodes of every row: the tree build_trees makes with that budget (nodes are in
@@ -92,11 +92,11 @@ class DraftTree:
         """[N, M, M] bool: mask[n, i, j] = node j is node i or one of its ancestors (tree attention). Pads see
         only themselves. Built depth by depth: row i of the mask is its parent's row plus itself."""
         N, M = self.tokens.shape
-        eye = torch.eye(M, dtype=torch.bool).expand(N, M, M).clone()
+        eye = torch.eye(M, dtype=torch.bool, device=self.tokens.device).expand(N, M, M).clone()
         mask = eye.clone()
         valid = self.valid()
         for m in range(1, M):  # parents come before children
-            par = mask[torch.arange(N), self.parent[:, m]] & valid[:, m : m + 1]
+            par = mask[torch.arange(N, device=mask.device), self.parent[:, m]] & valid[:, m : m + 1]
             mask[:, m] |= par
         return mask
 
@@ -155,20 +155,14 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
     for n in range(N):
         rows.append(_build_row(n, int(anchors[n]), budget, S, top_p, top_t, chain_lists, chain_q, chain_rate))
     M = max(len(r[0]) for r in rows)
-    tokens = torch.zeros(N, M, dtype=torch.int64)
-    parent = torch.zeros(N, M, dtype=torch.int64)
-    depth = torch.zeros(N, M, dtype=torch.int64)
-    source = torch.zeros(N, M, dtype=torch.int64)
-    score = torch.zeros(N, M, dtype=torch.float64)
-    for n, (tok, par, dep, src, sc) in enumerate(rows):
-        m = len(tok)
-        tokens[n, :m] = torch.tensor(tok)
-        parent[n, :m] = torch.tensor(par)
-        depth[n, :m] = torch.tensor(dep)
-        source[n, :m] = torch.tensor(src)
-        score[n, :m] = torch.tensor(sc, dtype=torch.float64)
-    size = torch.tensor([len(r[0]) for r in rows], dtype=torch.int64)
-    return DraftTree(tokens, parent, depth, source, size, score)
+    def padded(i: int) -> list[list]:  # field i of every row, padded with 0 to M nodes
+        return [r[i] + [0] * (M - len(r[i])) for r in rows]
+
+    dev = draft_probs.device  # built on the host, one copy per field to the device
+    fields = [torch.tensor(padded(i), dtype=torch.int64, device=dev) for i in range(4)]
+    score = torch.tensor(padded(4), dtype=torch.float64, device=dev)
+    size = torch.tensor([len(r[0]) for r in rows], dtype=torch.int64, device=dev)
+    return DraftTree(*fields, size, score)
 
 
 def _build_row(n, anchor, budget, S, top_p, top_t, chain_lists, chain_q, chain_rate):

@@ -19,6 +19,8 @@ backend moves that path's K/V to its absolute positions (commit_path), and 4./5.
 accepted path continued by the best child) as a chain round's verify. The verify policy decides, before
 1., whether the round drafts at all (no draft: a plain decoding round) and, after it, how many of the tree's
 best-first nodes (<= tree_budget) it verifies (policy.choose_tree; fixed: all).
+Every tensor of a round lives on the backend's device (runtime/device.py); the host reads the round once, at
+5. (plus the adaptive policy's K), and times it with the device's clock (runtime/stopwatch.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 
 from retrace.errors import RetraceError
 from retrace.runtime.backend import Backend
+from retrace.runtime.detokenize import IncrementalText
+from retrace.runtime.device import device_of, host_values, index_tensor, read
 from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees, check_budget, parse_sources
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.rejected_trajectory import RejectedTrajectory
@@ -45,6 +49,7 @@ from retrace.runtime.sampling import (
     speculative_accept,
 )
 from retrace.runtime.stats import AcceptStats, Timing
+from retrace.runtime.stopwatch import stopwatch_for
 from retrace.runtime.suffix_memory import SuffixMemory
 from retrace.runtime.tokenizer import TextCodec
 from retrace.runtime.tree_accept import (
@@ -68,6 +73,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted_text: int = 0  # chars of `text` already streamed
+    detok: IncrementalText | None = None  # keeps `text` current, decoding a short window per round
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # why it failed alone (finish_reason "error"; its batch-mates went on)
@@ -113,6 +119,7 @@ class Scheduler:
         prompt_lookup: drafts from the request's own tokens in the rounds without a drafter call
         (runtime/prompt_lookup.py; dflash and retrace modes, greedy rows)."""
         self.backend = backend
+        self.device = device_of(backend)  # every tensor of the round lives there
         self.codec = codec
         dc = backend.drafter_config
         self.block_size = int(block_size or (dc.block_size if dc else 1))
@@ -120,7 +127,7 @@ class Scheduler:
             raise RetraceError(f"block size {self.block_size} must be in 2..{dc.block_size} (the drafter's block_size)")
         self.eos_ids = set(backend.target_config.eos_token_ids if eos_ids is None else eos_ids)
         self.mask_id = dc.mask_token_id if dc else -1
-        self.memory = (SuffixMemory(backend.max_batch, self.block_size, dc.hidden_size)
+        self.memory = (SuffixMemory(backend.max_batch, self.block_size, dc.hidden_size, device=self.device)
                        if dc is not None else None)
         self.free_slots = list(range(backend.max_batch))
         self.waiting: list[Request] = []
@@ -133,7 +140,9 @@ class Scheduler:
         self.tree_budget = check_budget(tree_budget, self.block_size)
         self.tree_sources = parse_sources(tree_sources)
         self.tree_rates = SourceRates()
-        self.trajectory = RejectedTrajectory(backend.max_batch, self.block_size) if dc is not None else None
+        self.clock = stopwatch_for(self.device)  # host timers on the CPU, CUDA events on CUDA
+        self.trajectory = (RejectedTrajectory(backend.max_batch, self.block_size, device=self.device)
+                           if dc is not None else None)
         # per source: [tree nodes whose parent was accepted, of those accepted, accepted that only it proposed]
         self.tree_counts = {s: [0, 0, 0] for s in SOURCES}
         self.lookup = prompt_lookup if dc is not None else None
@@ -143,8 +152,8 @@ class Scheduler:
         """Queue a request (validated now, so a bad one never breaks a running batch)."""
         self.check(prompt_ids, params, mode)
         req = Request(next(self._ids), list(prompt_ids), params, mode)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
-        req.generator = torch.Generator().manual_seed(seed)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu"))
+        req.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting.append(req)
         return req
 
@@ -213,18 +222,17 @@ class Scheduler:
 
     def _prefill(self, reqs: list[Request], events: dict[int, Event]) -> None:
         t0 = time.perf_counter()
-        lens = torch.tensor([len(r.prompt_ids) for r in reqs])
-        T = int(lens.max())
-        ids = torch.zeros(len(reqs), T, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            ids[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids)
-        positions = torch.arange(T).expand(len(reqs), T)
-        slots = torch.tensor([r.slot for r in reqs])
-        logits, taps = self.backend.target(slots, ids, positions, (lens - 1).unsqueeze(1))
+        dev = self.device
+        lens = [len(r.prompt_ids) for r in reqs]
+        T = max(lens)
+        ids = torch.tensor([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], device=dev)
+        positions = index_tensor([list(range(T))] * len(reqs), dev)
+        slots = index_tensor([r.slot for r in reqs], dev)
+        logits, taps = self.backend.target(slots, ids, positions, torch.tensor(lens, device=dev).sub(1).unsqueeze(1))
         logits = self._min_length(logits, reqs)
+        firsts = read(self._sample_first(logits[:, 0], reqs))  # the step's one read for the prefill
         self.timing.prefill += time.perf_counter() - t0
-        for i, r in enumerate(reqs):
-            first = self._sample_one(logits[i, 0], r)
+        for i, (r, first) in enumerate(zip(reqs, firsts, strict=True)):
             r.ctx_taps, r.ctx_parts, r.ctx_parts_len, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], [], 0, 0
             r.anchor, r.anchor_pos = first, len(r.prompt_ids)
             self._commit(r, [first], events)
@@ -232,9 +240,11 @@ class Scheduler:
     def _round(self, reqs: list[Request], events: dict[int, Event]) -> None:
         mode = reqs[0].mode
         N = len(reqs)
-        slots = torch.tensor([r.slot for r in reqs])
-        anchor = torch.tensor([r.anchor for r in reqs])
-        anchor_pos = torch.tensor([r.anchor_pos for r in reqs])
+        dev = self.device
+        slots = index_tensor([r.slot for r in reqs], dev)
+        anchor = torch.tensor([r.anchor for r in reqs], device=dev)
+        anchor_host = [r.anchor_pos for r in reqs]
+        anchor_pos = torch.tensor(anchor_host, device=dev)
         # draft slots the verify policy can use this round (0: no draft call; `ar` never drafts)
         S = self.policy.plan(mode, N) if mode != "ar" else 0
         tree = self.tree_budget > 0 and S > 0
@@ -246,45 +256,44 @@ class Scheduler:
 
         # 1. draft (the drafter always fills the whole block; the policy picks K drafts per row to verify)
         hidden = q = draft_logits = verified = None
-        drafts = torch.zeros(N, 0, dtype=torch.int64)
-        t_draft = None
+        drafts = torch.zeros(N, 0, dtype=torch.int64, device=dev)
+        draft_marks = None  # the stopwatch's marks around the draft call (device time on CUDA)
         if S > 0:
-            t0 = time.perf_counter()
+            draft_marks = [self.clock.mark()]
             B = self.block_size
-            block_ids = torch.cat([anchor.unsqueeze(1), torch.full((N, B - 1), self.mask_id)], dim=1)
+            block_ids = torch.cat([anchor.unsqueeze(1), torch.full((N, B - 1), self.mask_id, device=dev)], dim=1)
             ctx_taps, ctx_pos = self._context(reqs)
             suffix = self.memory.read(slots) if mode == "retrace" else None
             hidden, draft_logits = self.backend.draft(slots, ctx_taps, ctx_pos, block_ids,
-                                                      anchor_pos.unsqueeze(1) + torch.arange(B), suffix)
+                                                      index_tensor(_ranges(anchor_host, B), dev), suffix)
             draft_logits = draft_logits[:, :S]
             drafts, q = self._propose(draft_logits, reqs)
             verified = self.policy.choose(mode, draft_logits, drafts, q) if not tree else None
-            t_draft = time.perf_counter() - t0
-            self.timing.draft += t_draft
+            draft_marks.append(self.clock.mark())
         lookup = S == 0 and self.lookup is not None and mode != "ar"
         if lookup:  # no drafter call: the request's own tokens may still offer a few drafts
             drafts, lengths = self.lookup.propose(reqs, self.block_size - 1)
             k = self.lookup.choose(lengths, getattr(self.policy, "cost", None))
-            drafts, verified = drafts[:, :k], lengths.clamp_max(k)
-        K = int(verified.max()) if verified is not None else 0
+            drafts, verified = drafts[:, :k].to(dev), index_tensor(lengths.clamp_max(k).tolist(), dev)  # host-built
+        K = max(host_values(verified)) if verified is not None else 0  # policies build K on the host
 
+        t_draft = verify_marks = None
         if tree:  # 2.-4. on a draft tree
+            t_draft = self.clock.seconds(*draft_marks)
+            self.timing.draft += t_draft
             accepted, bonus, drafts, taps, verified = self._tree_round(reqs, slots, anchor, anchor_pos, hidden,
                                                                        draft_logits, drafts, q, t_draft)
         else:
             # 2. verify [anchor, d_1 .. d_K] (rows with a smaller K ignore the tail: a masked, padded verify)
-            t0 = time.perf_counter()
+            verify_marks = [self.clock.mark()]
             block = torch.cat([anchor.unsqueeze(1), drafts], dim=1)
-            positions = anchor_pos.unsqueeze(1) + torch.arange(K + 1)
-            logits, taps = self.backend.target(slots, block[:, : K + 1], positions,
-                                               torch.arange(K + 1).expand(N, K + 1))
-            t_verify = time.perf_counter() - t0
-            self.timing.verify += t_verify
+            logits, taps = self.backend.target(slots, block[:, : K + 1], index_tensor(_ranges(anchor_host, K + 1), dev),
+                                               torch.arange(K + 1, device=dev).expand(N, K + 1))
+            verify_marks.append(self.clock.mark())
             logits = self._min_length(logits, reqs)
 
             # 3. accept
             accepted, bonus, target_argmax = self._accept(logits, drafts[:, :K], q, reqs, verified)
-            self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
             if lookup:
                 self.lookup.observe(verified, accepted)
 
@@ -293,10 +302,18 @@ class Scheduler:
                 self.memory.write(slots, hidden, block, logits, draft_logits, accepted, anchor_pos,
                                   target_argmax, verified)
 
-        # 5. commit (one conversion to Python lists, not one per element)
-        ks = verified.tolist() if verified is not None else [0] * N
-        for i, (r, a, b, d, k) in enumerate(zip(reqs, accepted.tolist(), bonus.tolist(), drafts.tolist(), ks,
-                                                strict=True)):
+        # 5. commit: the round's one device-to-host read (accepted lengths, bonus tokens, drafts)
+        ks = host_values(verified) if verified is not None else [0] * N
+        D = drafts.shape[1]
+        host = read(torch.cat([accepted.view(N, 1), bonus.view(N, 1), drafts.view(N, D)], dim=1).to(torch.int64))
+        if verify_marks is not None:  # after the read: the marks' device work has completed
+            t_draft = self.clock.seconds(*draft_marks) if draft_marks is not None else None
+            t_verify = self.clock.seconds(*verify_marks)
+            self.timing.draft += t_draft or 0.0
+            self.timing.verify += t_verify
+            self.policy.observe(mode, N, K + 1, t_verify, t_draft, verified, accepted)
+        for i, (r, row, k) in enumerate(zip(reqs, host, ks, strict=True)):
+            a, b, d = row[0], row[1], row[2:]
             r.stats.record(a, k, S)
             self.stats[mode].record(a, k, S)
             self._extend_context(r, taps[i], drafted=S > 0)
@@ -309,17 +326,19 @@ class Scheduler:
         anchor [N, D] (the first `accepted` are committed), round path taps [N, D+1] (the drafter's next
         context), tree nodes verified per row [N])."""
         N = len(reqs)
-        rows = torch.arange(N)
-        t0 = time.perf_counter()
-        sampling = torch.tensor([q[i] is not None for i in range(N)])
+        dev = self.device
+        rows = torch.arange(N, device=dev)
+        t0 = self.clock.mark()
+        sampling = [q[i] is not None for i in range(N)]
         tree = build_trees(draft_logits.float().softmax(-1), anchor, self.tree_budget, self.tree_sources,
                            self.trajectory.read(slots), self.tree_rates,
-                           sampled=torch.where(sampling.unsqueeze(1), top1, -1) if bool(sampling.any()) else None)
+                           sampled=(torch.where(torch.tensor(sampling, device=dev).unsqueeze(1), top1, -1)
+                                    if any(sampling) else None))
         tree = tree.truncate(self.policy.choose_tree(reqs[0].mode, tree))
         M = tree.nodes
-        t_build = time.perf_counter() - t0
+        t1 = self.clock.mark()
         logits, taps = self.backend.target(slots, tree.tokens, anchor_pos.unsqueeze(1) + tree.depth,
-                                           torch.arange(M).expand(N, M), tree_mask=tree.ancestor_mask())
+                                           torch.arange(M, device=dev).expand(N, M), tree_mask=tree.ancestor_mask())
         logits = self._min_length(logits, reqs, tree.depth)
         accepted, bonus, node, post = greedy_tree_accept(tree, logits)
         for i, p in enumerate(_sampling_probs(logits, reqs)):  # sampling rows: the tree walk
@@ -330,8 +349,8 @@ class Scheduler:
         path = root_path(tree, end)
         path_len = tree.depth[rows, end]
         L = path.shape[1]
-        self.backend.commit_path(slots, anchor_pos.unsqueeze(1) + path, anchor_pos.unsqueeze(1) + torch.arange(L))
-        t_verify = time.perf_counter() - t0
+        self.backend.commit_path(slots, anchor_pos.unsqueeze(1) + path, anchor_pos.unsqueeze(1) + torch.arange(L, device=dev))
+        t_build, t_verify = self.clock.seconds(t0, t1), self.clock.seconds(t0, self.clock.mark())
         self.timing.verify += t_verify
         self.policy.observe_tree(reqs[0].mode, N, M, t_verify - t_build, t_draft + t_build, tree, path, accepted)
         for s, (tries, hits, only_tries, only_hits) in source_counts(tree, path, accepted).items():
@@ -343,7 +362,7 @@ class Scheduler:
         path_post = post.gather(1, path)
         # the round's block: the round path's tokens, then the drafter's top-1 where the tree stopped
         block = torch.cat([anchor.unsqueeze(1), top1], dim=1)
-        on = torch.arange(1, L).unsqueeze(0) <= path_len.unsqueeze(1)
+        on = torch.arange(1, L, device=dev).unsqueeze(0) <= path_len.unsqueeze(1)
         block[:, 1:L] = torch.where(on, path_tokens[:, 1:], block[:, 1:L])
         self.trajectory.write(slots, block[:, 1:], path_post, path_len, accepted)
         if reqs[0].mode == "retrace":  # the round path is the verified chain the memory remembers
@@ -379,8 +398,9 @@ class Scheduler:
             taps = reqs[0].ctx_taps.new_zeros(len(reqs), C, reqs[0].ctx_taps.shape[-1])
             for i, r in enumerate(reqs):
                 taps[i, : r.ctx_taps.shape[0]] = r.ctx_taps
-        pos0 = torch.tensor([r.ctx_pos0 for r in reqs])
-        positions = (pos0.unsqueeze(1) + torch.arange(C)).clamp_max(self.backend.max_seq_len - 1)
+        last = self.backend.max_seq_len - 1
+        positions = index_tensor([[min(p, last) for p in row] for row in _ranges([r.ctx_pos0 for r in reqs], C)],
+                                 self.device)
         return taps, positions
 
     def _propose(self, draft_logits: torch.Tensor, reqs: list[Request]):
@@ -397,14 +417,14 @@ class Scheduler:
         """drafts [N, K]; row i judges only its first verified[i] drafts (None: all K).
         -> (accepted [N], bonus [N], the target's argmax [N, K+1]); sampling rows overwrite the first two."""
         K = drafts.shape[1]
-        ragged = verified is not None and bool((verified < K).any())
-        if ragged:  # drafts past a row's K can never match: -1 is no token
-            drafts = drafts.masked_fill(torch.arange(K).unsqueeze(0) >= verified.unsqueeze(1), -1)
+        ks = host_values(verified) if verified is not None else [K] * len(reqs)
+        if any(k < K for k in ks):  # drafts past a row's K can never match: -1 is no token
+            drafts = drafts.masked_fill(torch.arange(K, device=drafts.device).unsqueeze(0) >= verified.unsqueeze(1), -1)
         accepted, bonus, target_argmax = greedy_accept(logits, drafts)
         p = _sampling_probs(logits, reqs)
         for i, r in enumerate(reqs):
             if p[i] is not None:
-                k = int(verified[i]) if verified is not None else K
+                k = ks[i]
                 a, b = speculative_accept(p[i][: k + 1], q[i][:k] if q is not None else p[i][:0], drafts[i, :k],
                                           r.generator)
                 accepted[i], bonus[i] = a, b
@@ -416,10 +436,13 @@ class Scheduler:
         return mask_early_eos(logits, [len(r.output_ids) for r in reqs], [r.params.min_tokens for r in reqs],
                               self.eos_ids, offsets)
 
-    def _sample_one(self, logits: torch.Tensor, r: Request) -> int:
-        if r.params.greedy:
-            return int(argmax(logits))
-        return int(torch.multinomial(_sampling_probs(logits.unsqueeze(0), [r])[0], 1, generator=r.generator))
+    def _sample_first(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """logits [N, V] after a prefill -> each request's first token [N] (argmax, or sampled), on the device."""
+        first = argmax(logits)
+        for i, p in enumerate(_sampling_probs(logits, reqs)):
+            if p is not None:
+                first[i] = torch.multinomial(p, 1, generator=reqs[i].generator)[0]
+        return first
 
     # -- commit and stop ---------------------------------------------------------------------------------
     def _commit(self, r: Request, tokens: list[int], events: dict[int, Event]) -> None:
@@ -439,8 +462,11 @@ class Scheduler:
                 break
         delta = ""
         if self.codec is not None:
-            r.text = self.codec.decode(r.output_ids)
-            if p.stop and _find_stop(r.text, p.stop) >= 0:
+            r.detok = r.detok or IncrementalText(self.codec)
+            # a stop string not in the earlier (final) text can only end in the new text: search from there
+            start = max(0, len(r.detok.stable) - max((len(s) for s in p.stop), default=0))
+            r.text = r.detok.update(r.output_ids)
+            if p.stop and _find_stop(r.text, p.stop, start) >= 0:
                 # Stop right after the token that completes the stop string, as one token per round
                 # would: the tokens of the accepted block after it are dropped, never emitted.
                 for n in range(n0 + 1, len(r.output_ids) + 1):
@@ -508,6 +534,11 @@ def _sampling_probs(logits: torch.Tensor, reqs: list[Request]) -> list[torch.Ten
     return out
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Index of the earliest stop string in text, -1 if none."""
-    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+def _ranges(starts: list[int], width: int) -> list[list[int]]:
+    """[[s, s+1, .., s+width-1] for each start] (host positions for `index_tensor`)."""
+    return [list(range(p, p + width)) for p in starts]
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:
+    """Index of the earliest stop string in text[start:] (an index into text), -1 if none."""
+    return min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)

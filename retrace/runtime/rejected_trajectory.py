@@ -18,10 +18,10 @@ import torch
 
 
 class RejectedTrajectory:
-    def __init__(self, slots: int, block_size: int):
+    def __init__(self, slots: int, block_size: int, device: torch.device | str = "cpu"):
         S = block_size - 1
-        self.suffix = torch.full((slots, S), -1, dtype=torch.int64)
-        self.target = torch.full((slots, S), -1, dtype=torch.int64)
+        self.suffix = torch.full((slots, S), -1, dtype=torch.int64, device=device)
+        self.target = torch.full((slots, S), -1, dtype=torch.int64, device=device)
 
     def clear(self, slot: int) -> None:
         self.suffix[slot] = -1
@@ -33,7 +33,7 @@ class RejectedTrajectory:
         at the round path's nodes (old slots 0..L, padded); path_len [N]: each row's L; accepted [N]."""
         N, S = top1.shape
         width = self.suffix.shape[1]
-        k = torch.arange(1, width + 1).unsqueeze(0)
+        k = torch.arange(1, width + 1, device=top1.device).unsqueeze(0)
         j = k + accepted.unsqueeze(1) + 1  # old slot of new slot k
         ok = j <= S
         self.suffix[slots] = torch.where(ok, top1.gather(1, (j - 1).clamp(0, S - 1)), -1)

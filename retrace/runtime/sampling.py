@@ -88,10 +88,11 @@ def mask_early_eos(logits: torch.Tensor, produced: list[int], min_tokens: list[i
     the input itself when nothing is masked)."""
     if not eos_ids or all(m <= n for m, n in zip(min_tokens, produced, strict=True)):
         return logits  # the common case, checked without tensors: every round calls this
-    need = torch.tensor(min_tokens) - torch.tensor(produced)  # tokens row i still needs before EOS may come
-    at = torch.arange(logits.shape[1]).unsqueeze(0) if offsets is None else offsets
+    dev = logits.device
+    need = torch.tensor([m - n for m, n in zip(min_tokens, produced, strict=True)], device=dev)  # before EOS may come
+    at = torch.arange(logits.shape[1], device=dev).unsqueeze(0) if offsets is None else offsets
     early = at < need.unsqueeze(1)  # [N, T]
-    eos = torch.tensor(sorted(eos_ids))
+    eos = torch.tensor(sorted(eos_ids), device=dev)
     out = logits.clone()
     out[..., eos] = out[..., eos].masked_fill(early.unsqueeze(-1), float("-inf"))
     return out
@@ -118,22 +119,19 @@ def sample_drafts(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
-                       gen: torch.Generator) -> tuple[int, int]:
-    """One row. p [K+1, V] target probs, q [K, V] proposal probs, drafts [K] -> (accepted a, bonus token)."""
+                       gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row. p [K+1, V] target probs, q [K, V] proposal probs, drafts [K] -> (accepted a, bonus token),
+    0-dim tensors on p's device (no read back: the loop reads the round once)."""
     K = drafts.shape[0]
-    if K:
-        idx = torch.arange(K)
-        p_d, q_d = p[idx, drafts], q[idx, drafts]
-        u = torch.rand(K, generator=gen)
-        ok = (u * q_d <= p_d).to(torch.int64)
-        a = int(ok.cumprod(0).sum())
-    else:
-        a = 0
-    if a < K:
-        residual = (p[a] - q[a]).clamp_min(0)
-        total = residual.sum()
-        dist = residual / total if total > 0 else p[a]
-    else:
-        dist = p[K]
-    bonus = int(torch.multinomial(dist, 1, generator=gen))
-    return a, bonus
+    if not K:
+        return torch.zeros((), dtype=torch.int64, device=p.device), torch.multinomial(p[0], 1, generator=gen)[0]
+    idx = torch.arange(K, device=p.device)
+    p_d, q_d = p[idx, drafts], q[idx, drafts]
+    u = torch.rand(K, generator=gen, device=p.device)
+    a = (u * q_d <= p_d).to(torch.int64).cumprod(0).sum()
+    # rejected at slot a < K: norm(max(0, p_a - q_a)) (p_a where that is all zero); all accepted: p_K
+    q_pad = torch.cat([q, torch.zeros_like(q[:1])])
+    residual = (p[a] - q_pad[a]).clamp_min(0)
+    total = residual.sum()
+    dist = torch.where((a < K) & (total > 0), residual / total.clamp_min(1e-30), p[a])
+    return a, torch.multinomial(dist, 1, generator=gen)[0]

@@ -21,13 +21,14 @@ import torch
 
 from retrace.models.conditioner import FEATURES
 from retrace.models.drafter import SuffixInputs
+from retrace.runtime.device import host_values
 
 
 def align(accepted: torch.Tensor, block_size: int,
           verified: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """accepted [N] (verified [N]: drafts the target judged, default B-1) -> (old slot j [N,B], valid [N,B]
     bool, correction index [N,B]) for new slots k=0..B-1. Valid: old slots j = k+a+1 <= min(K+1, B-1)."""
-    k = torch.arange(block_size).unsqueeze(0)
+    k = torch.arange(block_size, device=accepted.device).unsqueeze(0)
     a = accepted.unsqueeze(1)
     last = block_size - 1 if verified is None else (verified.unsqueeze(1) + 1).clamp_max(block_size - 1)
     valid = (k >= 1) & (k + a + 1 <= last)
@@ -55,15 +56,18 @@ def suffix_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor,
 
 
 class SuffixMemory:
-    def __init__(self, slots: int, block_size: int, hidden_size: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, slots: int, block_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         B, d, F = block_size, hidden_size, len(FEATURES)
         self.block_size = B
-        self.memory = torch.zeros(slots, B, d, dtype=dtype)
-        self.features = torch.zeros(slots, B, F, dtype=torch.float32)
-        self.valid = torch.zeros(slots, B, dtype=torch.float32)
-        self.corr_index = torch.zeros(slots, B, dtype=torch.int64)
-        self.count = torch.zeros(slots, dtype=torch.int64)  # valid slots 1..count
-        self.position = torch.full((slots,), -1, dtype=torch.int64)  # absolute position of new slot 0
+        with torch.device(device):
+            self.memory = torch.zeros(slots, B, d, dtype=dtype)
+            self.features = torch.zeros(slots, B, F, dtype=torch.float32)
+            self.valid = torch.zeros(slots, B, dtype=torch.float32)
+            self.corr_index = torch.zeros(slots, B, dtype=torch.int64)
+            self.count = torch.zeros(slots, dtype=torch.int64)  # valid slots 1..count
+            self.position = torch.full((slots,), -1, dtype=torch.int64)  # absolute position of new slot 0
+        self.filled: set[int] = set()  # slots holding a memory (kept on the host: no read to know it)
 
     def clear(self, slot: int) -> None:
         # corr_index too: the drafter gathers with it even where valid == 0, and a stale index from the
@@ -74,6 +78,7 @@ class SuffixMemory:
         self.valid[slot] = 0
         self.count[slot] = 0
         self.position[slot] = -1
+        self.filled.discard(slot)
 
     def write(self, slots: torch.Tensor, hidden: torch.Tensor | None, block_tokens: torch.Tensor,
               verify_logits: torch.Tensor, draft_logits: torch.Tensor | None, accepted: torch.Tensor,
@@ -84,11 +89,12 @@ class SuffixMemory:
         verify_logits [N,K+1,V] (K+1 <= B) at slots 0..K; accepted [N]; anchor_pos [N] = p;
         target_argmax [N,K+1] optional (verify_logits.argmax(-1), if the caller has it); verified [N]: the
         drafts each row sent to the target (default: all K). Only scored drafts are remembered."""
+        rows = host_values(slots)
         if hidden is None:
-            if bool((self.position[slots] >= 0).any()):  # one check per round while drafting is off
-                for s in slots.tolist():
-                    self.clear(s)
+            for s in self.filled.intersection(rows):
+                self.clear(s)
             return
+        self.filled.update(rows)
         B = self.block_size
         K = verify_logits.shape[1] - 1
         if verified is None:

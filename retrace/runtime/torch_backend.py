@@ -1,7 +1,13 @@
-"""The torch backend: the models of `retrace.models` over preallocated per-slot K/V caches."""
+"""The torch backend: the models of `retrace.models` over preallocated per-slot K/V caches, on any device.
+
+Tensors in and out live on `device` (the models' device); index inputs the loop built with
+`device.index_tensor` carry their host values, so the longest past and whether the slots are one range are
+read on the host, never from the device. bfloat16 / float16 / float32 weights: `from_dirs(dtype=...)`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -9,6 +15,8 @@ import torch
 from retrace.models.drafter import DFlashDrafter, SuffixInputs, load_pair
 from retrace.models.target import Qwen3Target
 from retrace.runtime.backend import contiguous_range
+from retrace.runtime.compiled_step import CompiledStep
+from retrace.runtime.device import host_values, resolve_device, resolve_dtype
 
 
 class KVCache:
@@ -38,14 +46,24 @@ class KVCache:
             cache[rows, :, dst] = cache[rows, :, src]
 
 
+def _longest_past(positions: torch.Tensor) -> int:
+    """max over rows of positions[:, 0] (from the host copy when the loop built the tensor)."""
+    return max(row[0] for row in host_values(positions))
+
+
 class TorchBackend:
     name = "torch"
 
     def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int = 8,
-                 max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str = "cpu"):
+                 max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str | None = None,
+                 compile: bool | str = False):
+        """device: where the caches and every tensor in and out live (default: the target's); the models
+        must be there already (`from_dirs` puts them there). compile: run the target's and the drafter's
+        steps under torch.compile(fullgraph=True) (True = inductor; or a compiler name of
+        runtime/compiled_step.py; False: eager)."""
         if threads:
             torch.set_num_threads(threads)
-        self.device = torch.device(device)  # where the K/V caches live (the models must be there too)
+        self.device = resolve_device(device) if device is not None else target.lm_head.weight.device
         self.target_model = target
         self.drafter_model = drafter
         self.target_config = target.config
@@ -53,11 +71,17 @@ class TorchBackend:
         self.has_conditioner = drafter is not None and drafter.conditioner is not None
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
-        dtype = target.lm_head.weight.dtype
+        self.dtype = target.lm_head.weight.dtype
+        self.compiled = compile
+        self.target_step, self.draft_step = target, drafter
+        if compile:
+            compiler = "inductor" if compile is True else compile
+            self.target_step = CompiledStep(target, "target", compiler)
+            self.draft_step = CompiledStep(drafter, "drafter", compiler) if drafter is not None else None
         tc = target.config.layers
         with self.device:
             self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len, tc.head_dim,
-                                  dtype)
+                                  self.dtype)
             self.dcache = None
             if drafter is not None:
                 dc = drafter.config.layers
@@ -65,17 +89,36 @@ class TorchBackend:
                                       dc.head_dim, drafter.fc.weight.dtype)
 
     @classmethod
-    def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype = torch.float32,
+    def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None,
+                  dtype: torch.dtype | str | None = torch.float32, device: torch.device | str | None = None,
                   **kwargs) -> TorchBackend:
-        target, drafter = load_pair(target_dir, drafter_dir, dtype=dtype)
-        return cls(target, drafter, **kwargs)
+        dev = resolve_device(device)  # before reading any weights: an absent CUDA fails fast
+        target, drafter = load_pair(target_dir, drafter_dir, dtype=resolve_dtype(dtype))
+        target.to(dev)
+        if drafter is not None:
+            drafter.to(dev)
+        return cls(target, drafter, device=dev, **kwargs)
+
+    def _autocast(self):
+        """A target and a drafter of different dtypes (a trainer's bf16 target with its fp32 drafter) share
+        the embedding and the LM head: autocast to the target's dtype."""
+        if self.drafter_model is not None and self.drafter_model.fc.weight.dtype != self.dtype:
+            return torch.autocast(self.device.type, dtype=self.dtype)
+        return contextlib.nullcontext()
+
+    def _on_device(self, *tensors: torch.Tensor | None):
+        return [t if t is None else t.to(self.device, non_blocking=True) for t in tensors]
 
     @torch.inference_mode()
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
+        P = _longest_past(positions)
+        pk, pv = self.tcache.past(slots, P)
+        slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
+                                                                               logits_index, tree_mask)
         past_len = positions[:, 0]
-        pk, pv = self.tcache.past(slots, int(past_len.max()))
-        logits, taps, nk, nv = self.target_model(input_ids, positions, pk, pv, past_len, logits_index,
-                                                  tree_mask=tree_mask)
+        with self._autocast():
+            logits, taps, nk, nv = self.target_step(input_ids, positions, pk, pv, past_len, logits_index.contiguous(),
+                                                    tree_mask=tree_mask)
         if tree_mask is not None:  # node m's K/V at scratch index positions[:, 0] + m (see commit_path)
             positions = past_len.unsqueeze(1) + torch.arange(input_ids.shape[1], device=positions.device)
         self.tcache.write(slots, positions, nk, nv)
@@ -83,20 +126,24 @@ class TorchBackend:
 
     @torch.inference_mode()
     def commit_path(self, slots, src_index, dst_pos):
-        self.tcache.move(slots, src_index, dst_pos)
+        self.tcache.move(*self._on_device(slots, src_index, dst_pos))
 
     @torch.inference_mode()
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
-        past_len = ctx_positions[:, 0]
-        pk, pv = self.dcache.past(slots, int(past_len.max()))
+        P = _longest_past(ctx_positions)
+        pk, pv = self.dcache.past(slots, P)
+        slots, ctx_taps, ctx_positions, block_ids, block_positions = self._on_device(
+            slots, ctx_taps, ctx_positions, block_ids, block_positions)
         dt = self.drafter_model.fc.weight.dtype
-        if suffix is not None and suffix.memory.dtype != dt:  # the loop keeps the memory in fp32
-            suffix = SuffixInputs(suffix.memory.to(dt), suffix.features.to(dt), suffix.valid.to(dt),
-                                  suffix.corr_index)
-        hidden, logits, nk, nv = self.drafter_model(ctx_taps.to(dt), ctx_positions,
-                                                    pk, pv, past_len, block_ids, block_positions, suffix)
+        if suffix is not None:  # the loop keeps the memory in fp32
+            memory, features, valid, corr = self._on_device(suffix.memory, suffix.features, suffix.valid,
+                                                            suffix.corr_index)
+            suffix = SuffixInputs(memory.to(dt), features.to(dt), valid.to(dt), corr)
+        with self._autocast():
+            hidden, logits, nk, nv = self.draft_step(ctx_taps.to(dt), ctx_positions, pk, pv,
+                                                     ctx_positions[:, 0], block_ids, block_positions, suffix)
         self.dcache.write(slots, ctx_positions, nk, nv)
-        return hidden.float(), logits
+        return hidden.float(), logits.float()
 
     def release(self, slot: int) -> None:
         pass

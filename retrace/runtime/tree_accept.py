@@ -34,9 +34,9 @@ def greedy_tree_accept(tree: DraftTree, logits: torch.Tensor):
     """logits [N, M, V] at every node -> (accepted a [N], bonus [N], accepted node [N], target argmax [N, M])."""
     post = argmax(logits)
     N, M = tree.tokens.shape
-    rows = torch.arange(N)
+    rows = torch.arange(N, device=post.device)
     match = (tree.tokens == post.gather(1, tree.parent)) & tree.valid()
-    ok = torch.zeros(N, M, dtype=torch.bool)
+    ok = torch.zeros(N, M, dtype=torch.bool, device=post.device)
     ok[:, 0] = True
     for m in range(1, M):  # parents come before children
         ok[:, m] = ok[rows, tree.parent[:, m]] & match[:, m]
@@ -49,10 +49,11 @@ def continue_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
     """From node [N], follow the first child (the earliest built: the best-scored) while there is one -> the
     last node [N]."""
     N, M = tree.tokens.shape
-    child_ok = tree.valid() & (torch.arange(M) > 0)
+    dev = node.device
+    child_ok = tree.valid() & (torch.arange(M, device=dev) > 0)
     cur = node.clone()
-    big = torch.full((N, M), M, dtype=torch.int64)
-    idx = torch.arange(M).expand(N, M)
+    big = torch.full((N, M), M, dtype=torch.int64, device=dev)
+    idx = torch.arange(M, device=dev).expand(N, M)
     for _ in range(int(tree.depth.max()) if tree.depth.numel() else 0):
         hit = child_ok & (tree.parent == cur.unsqueeze(1))
         found = hit.any(1)
@@ -66,7 +67,7 @@ def root_path(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
     """node [N] -> its root path [N, D+1] by depth (D = the deepest node's depth); shorter rows repeat their
     last node."""
     N = node.shape[0]
-    rows = torch.arange(N)
+    rows = torch.arange(N, device=node.device)
     depth = tree.depth[rows, node]
     D = int(depth.max()) if N else 0
     path = node.unsqueeze(1).repeat(1, D + 1)
@@ -110,7 +111,7 @@ def sample_tree_accept(tree: DraftTree, row: int, p: torch.Tensor, gen: torch.Ge
         r = p[node].double()
         nxt = None
         for m, t in fixed.get(node, []):  # a fixed candidate: proposal = a point mass on t
-            if float(torch.rand((), generator=gen)) < float(r[t]):
+            if float(torch.rand((), generator=gen, device=gen.device)) < float(r[t]):
                 nxt = m
                 break
             r = r.clone()
@@ -119,7 +120,7 @@ def sample_tree_accept(tree: DraftTree, row: int, p: torch.Tensor, gen: torch.Ge
         if nxt is None and node in drawn:  # the sampled draft x ~ q: min(1, r(x) / q(x)), else max(0, r - q)
             m, x = drawn[node]
             qd = q[int(tree.depth[row, node])].double()
-            if float(torch.rand((), generator=gen)) * float(qd[x]) <= float(r[x]):
+            if float(torch.rand((), generator=gen, device=gen.device)) * float(qd[x]) <= float(r[x]):
                 nxt = m
             else:
                 res = (r - qd).clamp_min(0)

@@ -22,9 +22,9 @@ from retrace.runtime.draft_tree import DraftTree
 def path_probs(tree: DraftTree, p: torch.Tensor) -> torch.Tensor:
     """[N, M] P(m): the product of p [N, M] over each node's root path (root 1, pads 0)."""
     N, M = tree.tokens.shape
-    P = torch.zeros(N, M, dtype=torch.float64)
+    P = torch.zeros(N, M, dtype=torch.float64, device=p.device)
     P[:, 0] = 1.0
-    rows = torch.arange(N)
+    rows = torch.arange(N, device=p.device)
     for m in range(1, M):  # parents come before children
         P[:, m] = P[rows, tree.parent[:, m]] * p[:, m]
     return P * tree.valid()
@@ -41,7 +41,7 @@ def best_budget(tree: DraftTree, p: torch.Tensor, cost) -> tuple[int, float, flo
     """-> (b*, its rate in tokens/s, the plain-decoding rate N / t_verify(N, 1)) for the rows of the tree."""
     N, M = tree.tokens.shape
     gain = expected_accepted(tree, p)
-    t_verify = torch.tensor([cost.verify(N, b) for b in range(1, M + 1)], dtype=torch.float64)
+    t_verify = torch.tensor([cost.verify(N, b) for b in range(1, M + 1)], dtype=torch.float64, device=p.device)
     rate = (N + gain) / (cost.draft(N) + t_verify)
     best = int(rate.argmax())
     return best + 1, float(rate[best]), N / float(t_verify[0])
@@ -51,9 +51,10 @@ def node_outcomes(tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor) -
     """-> (judged [N, M]: valid non-root nodes whose parent is on the accepted path, hit [N, M]: those
     accepted). path [N, L]: each row's round path (node indices from the root), accepted [N]."""
     N, M = tree.tokens.shape
-    on_path = torch.zeros(N, M, dtype=torch.bool)
-    keep = torch.arange(path.shape[1]).unsqueeze(0) <= accepted.unsqueeze(1)
+    dev = path.device
+    on_path = torch.zeros(N, M, dtype=torch.bool, device=dev)
+    keep = torch.arange(path.shape[1], device=dev).unsqueeze(0) <= accepted.unsqueeze(1)
     on_path.scatter_(1, torch.where(keep, path, 0), keep)
     on_path[:, 0] = True
-    judged = tree.valid() & (torch.arange(M) > 0) & on_path.gather(1, tree.parent)
+    judged = tree.valid() & (torch.arange(M, device=dev) > 0) & on_path.gather(1, tree.parent)
     return judged, judged & on_path

@@ -38,6 +38,7 @@ import torch
 from retrace.errors import RetraceError
 from retrace.runtime.calibration import Calibration
 from retrace.runtime.cost_model import CostModel, probe
+from retrace.runtime.device import index_tensor, read
 from retrace.runtime.draft_tree import DraftTree
 from retrace.runtime.tree_budget import best_budget, node_outcomes
 
@@ -53,8 +54,9 @@ class VerifyPolicy(Protocol):
 
     def choose(self, mode: str, draft_logits: torch.Tensor, drafts: torch.Tensor,
                q: list[torch.Tensor | None]) -> torch.Tensor:
-        """After drafting: K per row [N] (int64, each <= drafts.shape[1]). draft_logits [N,S,V] raw,
-        drafts [N,S], q[i] the processed proposal distribution of sampling row i (None: greedy row)."""
+        """After drafting: K per row [N] (int64, each <= drafts.shape[1], built with device.index_tensor:
+        the loop reads K on the host). draft_logits [N,S,V] raw, drafts [N,S], q[i] the processed proposal
+        distribution of sampling row i (None: greedy row)."""
         ...
 
     def observe(self, mode: str, rows: int, verify_tokens: int, verify_s: float, draft_s: float | None,
@@ -82,7 +84,7 @@ class FixedPolicy:
         return self.block_size - 1
 
     def choose(self, mode, draft_logits, drafts, q):
-        return torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.int64)
+        return index_tensor([drafts.shape[1]] * drafts.shape[0], drafts.device)
 
     def observe(self, mode, rows, verify_tokens, verify_s, draft_s, verified, accepted) -> None:
         pass
@@ -111,6 +113,19 @@ def draft_confidence(draft_logits: torch.Tensor, q: list[torch.Tensor | None]) -
     return conf
 
 
+def _row_groups(q: list[torch.Tensor | None]) -> dict[bool, list[int]]:
+    """greedy (True) / sampling (False) -> the rows of that kind (host lists: no read to know them)."""
+    groups: dict[bool, list[int]] = {}
+    for i, qi in enumerate(q):
+        groups.setdefault(qi is None, []).append(i)
+    return groups
+
+
+def _take(rows: list[int], n: int, device) -> slice | torch.Tensor:
+    """An index for `rows` of n: every row as a view, else an index tensor."""
+    return slice(None) if len(rows) == n else torch.tensor(rows, device=device)
+
+
 @dataclass
 class _ModeState:
     off: int = 0  # rounds left without a draft call
@@ -132,11 +147,14 @@ class AdaptivePolicy:
         self.learn_cost = learn_cost  # False: a fixed injected cost model (deterministic decisions in tests)
         self.calib: dict[tuple[str, bool], Calibration] = {}
         self.state: dict[str, _ModeState] = {}
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (conf, greedy rows) of the round
+        self._last: tuple[torch.Tensor, dict] | None = None  # (conf, greedy/sampling rows) of the round
         self._last_tree: torch.Tensor | None = None  # the best-first factors of a tree round's nodes
 
-    def _calibration(self, mode: str, greedy: bool) -> Calibration:
-        return self.calib.setdefault((mode, greedy), Calibration())
+    def _calibration(self, mode: str, greedy: bool, device: torch.device) -> Calibration:
+        key = (mode, greedy)
+        if key not in self.calib:  # made where the round's confidences live
+            self.calib[key] = Calibration(device=device)
+        return self.calib[key]
 
     def _state(self, mode: str) -> _ModeState:
         return self.state.setdefault(mode, _ModeState(backoff=self.min_backoff))
@@ -149,28 +167,30 @@ class AdaptivePolicy:
         return self.block_size - 1
 
     def choose(self, mode, draft_logits, drafts, q):
+        # on the device, up to the one read of the chosen K (and the gain) at the end
         N, S = drafts.shape
+        dev = drafts.device
         conf = draft_confidence(draft_logits, q)
-        greedy = torch.tensor([qi is None for qi in q])
-        p = torch.empty(N, S, dtype=torch.float64)
-        for g in (True, False):
-            if bool((greedy == g).any()):
-                p[greedy == g] = self._calibration(mode, g).prob(conf[greedy == g])
-        self._last = (conf, greedy)
-        gain = torch.cat([torch.zeros(N, 1, dtype=torch.float64), p.cumprod(1).cumsum(1)], 1)  # E[a | K]
+        groups = _row_groups(q)
+        p = torch.empty(N, S, dtype=torch.float64, device=dev)
+        for g, rows in groups.items():
+            p[_take(rows, N, dev)] = self._calibration(mode, g, dev).prob(conf[_take(rows, N, dev)])
+        self._last = (conf, groups)
+        gain = torch.cat([torch.zeros(N, 1, dtype=torch.float64, device=dev), p.cumprod(1).cumsum(1)], 1)  # E[a | K]
         t_draft = self.cost.draft(N)
-        t_verify = torch.tensor([self.cost.verify(N, k + 1) for k in range(S + 1)], dtype=torch.float64)
+        t_verify = torch.tensor([self.cost.verify(N, k + 1) for k in range(S + 1)], dtype=torch.float64, device=dev)
         t_round = t_draft + t_verify
         rate = (N + gain.sum(0)) / t_round
-        best = int(rate.argmax())
+        best = rate.argmax()
+        picked = [best.double().unsqueeze(0), (rate[best] * t_verify[0] / N).unsqueeze(0)]
+        if self.ragged:
+            picked.append((1 + gain - rate[best] * t_round.unsqueeze(0) / N).argmax(1).double())
+        host = read(torch.cat(picked))
         probe = self._state(mode).gain is None  # the first drafted round after a pause (or ever)
-        self._update_gain(mode, float(rate[best] * t_verify[0] / N))
-        if not self.ragged:
-            k = torch.full((N,), best, dtype=torch.int64)
-        else:
-            k = (1 + gain - rate[best] * t_round.unsqueeze(0) / N).argmax(1)
+        self._update_gain(mode, host[1])
+        k = [int(x) for x in host[2:]] if self.ragged else [int(host[0])] * N
         # a probe judges at least one draft per row, so the calibration keeps learning while drafting is off
-        return k.clamp_min(min(1, S)) if probe else k
+        return index_tensor([max(x, min(1, S)) for x in k] if probe else k, dev)
 
     def _update_gain(self, mode: str, g: float) -> None:
         st = self._state(mode)
@@ -188,16 +208,16 @@ class AdaptivePolicy:
                 self.cost.observe_draft(rows, draft_s)
         if verified is None or self._last is None:
             return
-        conf, greedy = self._last
+        conf, groups = self._last
         self._last = None
-        for g in (True, False):
-            rows_g = greedy == g
-            if bool(rows_g.any()):
-                self._calibration(mode, g).observe(conf[rows_g], verified[rows_g], accepted[rows_g])
+        for g, rows in groups.items():
+            take = _take(rows, conf.shape[0], conf.device)
+            self._calibration(mode, g, conf.device).observe(conf[take], verified[take], accepted[take])
 
     def choose_tree(self, mode, tree):
         factor = tree.factor()
-        b, rate, plain = best_budget(tree, self._calibration(f"{mode}/tree", True).prob(factor), self.cost)
+        b, rate, plain = best_budget(tree, self._calibration(f"{mode}/tree", True, factor.device).prob(factor),
+                                     self.cost)
         probe = self._state(mode).gain is None
         self._update_gain(mode, rate / plain)
         self._last_tree = factor
@@ -211,7 +231,8 @@ class AdaptivePolicy:
         if factor is None:
             return
         judged, hit = node_outcomes(tree, path, accepted)
-        self._calibration(f"{mode}/tree", True).observe_pairs(factor[:, : tree.nodes][judged], hit[judged])
+        self._calibration(f"{mode}/tree", True, factor.device).observe_pairs(factor[:, : tree.nodes][judged],
+                                                                             hit[judged])
 
     def to_dict(self) -> dict:
         return {"cost": self.cost.to_dict(),

@@ -38,8 +38,8 @@ GRACE_S = 5.0  # beyond --drain-timeout: time to answer what the drain failed
               show_default=True)
 @cli_errors
 def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
-          verify_policy, tree_budget, tree_sources, prompt_lookup, host, port, max_queue, chat_template, served_model_name,
-          drain_timeout, max_body_bytes, max_prompt_chars, log_level) -> None:
+          verify_policy, tree_budget, tree_sources, prompt_lookup, device, dtype, compile_steps, host, port, max_queue,
+          chat_template, served_model_name, drain_timeout, max_body_bytes, max_prompt_chars, log_level) -> None:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     try:
         import uvicorn
@@ -55,7 +55,8 @@ def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, 
 
     rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
                        verify_bundle=not no_verify_bundle, verify_policy=verify_policy, tree_budget=tree_budget,
-                       tree_sources=tree_sources, prompt_lookup=prompt_lookup)
+                       tree_sources=tree_sources, prompt_lookup=prompt_lookup, device=device, dtype=dtype,
+                       compile_steps=compile_steps)
     codec_path = getattr(rt.codec, "path", None)
     chat = ChatTemplate.load(codec_path.parent if codec_path else None, chat_template)
     name = served_model_name or Path(engine or target).resolve().name

@@ -382,7 +382,9 @@ def zoo_draft_ar(zoo_dir, out_dir, layers, seconds, num_prompts, threads, seed, 
 @click.option("--max-batch", type=int, default=32, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=None)
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="float32", show_default=True,
+              help="the pair's weights and caches")
 @click.option("--verify-policy", type=click.Choice(["fixed", "adaptive"]), default="fixed", show_default=True,
               help="fixed: every round verifies the whole block (tau measures the drafter); adaptive: as served")
 @click.option("--tree-budget", type=int, default=0, show_default=True,
@@ -392,7 +394,7 @@ def zoo_draft_ar(zoo_dir, out_dir, layers, seconds, num_prompts, threads, seed, 
 @click.option("--json", "as_json", is_flag=True)
 @cli_errors
 def eval_cmd(target_dir, drafter_dir, prompts_files, max_new_tokens, temperature, block_size, modes, limit, max_batch,
-             seed, threads, device, verify_policy, tree_budget, tree_sources, as_json) -> None:
+             seed, threads, device, dtype, verify_policy, tree_budget, tree_sources, as_json) -> None:
     """Acceptance length tau of dflash vs retrace on the same prompts (per prompt, pooled, paired SE)."""
     from retrace.errors import RetraceError
     from retrace.train.evaluate import evaluate, format_report
@@ -402,7 +404,7 @@ def eval_cmd(target_dir, drafter_dir, prompts_files, max_new_tokens, temperature
     if bad or not mlist:
         raise RetraceError(f"--modes takes dflash and/or retrace, got {modes!r}")
     rep = evaluate(target_dir, drafter_dir, list(prompts_files), max_new_tokens, temperature, block_size, mlist,
-                   max_batch, seed, limit, threads, device, verify_policy, tree_budget, tree_sources)
+                   max_batch, seed, limit, threads, device, verify_policy, tree_budget, tree_sources, dtype)
     click.echo(json.dumps(rep) if as_json else format_report(rep))
 
 

@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from retrace.errors import RetraceError
+from retrace.runtime.device import resolve_device as _resolve_device
 from retrace.runtime.prompts import read_prompts_jsonl  # noqa: F401  (re-exported)
 
 STATE_DIR = "train_state"  # the DFlash drafter's checkpoint
@@ -34,13 +35,8 @@ STATE_VERSION = 1
 
 # -- device ------------------------------------------------------------------------------------------
 def resolve_device(device: str | None) -> torch.device:
-    """"auto" (or None) -> cuda when available else cpu; anything else is checked."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RetraceError(f"--device {device}: CUDA is not available on this machine")
-    return dev
+    """"auto" (or None) -> cuda when available else cpu; anything else is checked (runtime/device.py)."""
+    return _resolve_device("auto" if device is None else device)
 
 
 def autocast(device: torch.device, bf16: bool):

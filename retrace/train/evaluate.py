@@ -15,6 +15,7 @@ from pathlib import Path
 
 from retrace.errors import RetraceError
 from retrace.models.drafter import load_pair
+from retrace.runtime.device import resolve_dtype
 from retrace.runtime.tokenizer import TextCodec
 from retrace.train import common as cm
 from retrace.train.rollout import make_backend, run_requests
@@ -93,11 +94,12 @@ def tau_worker(target_dir: str, drafter_dir: str, prompts: list[list[int]], mode
 def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_files: list[str | Path], max_new_tokens: int = 96,
              temperature: float = 0.0, block_size: int | None = None, modes=("dflash", "retrace"), max_batch: int = 32,
              seed: int = 0, limit: int | None = None, threads: int | None = None, device: str = "cpu",
-             verify_policy: str = "fixed", tree_budget: int = 0, tree_sources: str = "topk,suffix,target") -> dict:
+             verify_policy: str = "fixed", tree_budget: int = 0, tree_sources: str = "topk,suffix,target",
+             dtype: str = "float32") -> dict:
     """Load the pair, read prompts (JSONL: 'prompt' text or 'prompt_ids'), report tau (see tau_by_mode)."""
     dev = cm.resolve_device(device)
     with cm.torch_threads(threads):
-        target, drafter = load_pair(target_dir, drafter_dir)
+        target, drafter = load_pair(target_dir, drafter_dir, dtype=resolve_dtype(dtype))
         target.to(dev)
         drafter.to(dev)
         codec = TextCodec.find(target_dir)

@@ -7,59 +7,27 @@ Scheduler is not modified: a thin backend wrapper (`RecordingBackend`) records w
 the drafter in every retrace round: the suffix memory, features, valid mask, and the verify taps at
 `corr_index` (the correction source). Round r+1's recorded suffix is round r's rejected suffix.
 
-`DeviceBackend` is the torch backend with its caches on an accelerator (inputs/outputs stay on CPU, as
-the Backend protocol says), for rollouts of a real Qwen3 on a GPU.
+On a GPU the rollouts run on the runtime's own torch backend with `device=` (`make_backend`); its tensors
+(and so the records) live on that device.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
-from retrace.models.drafter import DFlashDrafter, SuffixInputs
+from retrace.models.drafter import DFlashDrafter
 from retrace.models.target import Qwen3Target
 from retrace.runtime.loop import Scheduler
 from retrace.runtime.sampling import SamplingParams
 from retrace.runtime.torch_backend import TorchBackend
 
 
-class DeviceBackend(TorchBackend):
-    """TorchBackend with the models and the K/V caches on `device` (CPU tensors in and out)."""
-
-    def _autocast(self):
-        # a bf16 target with an fp32 drafter (how the trainers hold them on a GPU) needs autocast
-        mixed = self.drafter_model is not None and self.drafter_model.fc.weight.dtype != self.target_model.lm_head.weight.dtype
-        if self.device.type == "cuda" and mixed:
-            return torch.autocast("cuda", dtype=self.target_model.lm_head.weight.dtype)
-        return contextlib.nullcontext()
-
-    @torch.inference_mode()
-    def target(self, slots, input_ids, positions, logits_index):
-        d = self.device
-        with self._autocast():
-            logits, taps = super().target(slots.to(d), input_ids.to(d), positions.to(d), logits_index.to(d))
-        return logits.float().cpu(), taps.float().cpu()
-
-    @torch.inference_mode()
-    def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
-        d = self.device
-        if suffix is not None:
-            suffix = SuffixInputs(suffix.memory.to(d), suffix.features.to(d), suffix.valid.to(d),
-                                  suffix.corr_index.to(d))
-        with self._autocast():
-            hidden, logits = super().draft(slots.to(d), ctx_taps.to(d), ctx_positions.to(d), block_ids.to(d),
-                                           block_positions.to(d), suffix)
-        return hidden.float().cpu(), logits.float().cpu()
-
-
 def make_backend(target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int, max_seq_len: int,
                  device: torch.device | str = "cpu"):
-    device = torch.device(device)
-    if device.type == "cpu":
-        return TorchBackend(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len)
-    return DeviceBackend(target, drafter, max_batch, max_seq_len, device=device)
+    """The runtime's torch backend on `device` (the models must be there: the trainers put them there)."""
+    return TorchBackend(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, device=device)
 
 
 # -- records -----------------------------------------------------------------------------------------------
@@ -94,6 +62,11 @@ class Rollout:
     @property
     def tau(self) -> float | None:
         return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else None
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """A host copy for a record (records are training data: kept on the host, whatever the device)."""
+    return t.detach().to("cpu", copy=True)
 
 
 class RecordingBackend:
@@ -138,12 +111,13 @@ class RecordingBackend:
                     continue
                 rec.rounds.append(RoundRecord(
                     anchor_pos=int(block_positions[i, 0]), anchor=int(block_ids[i, 0]),
-                    memory=suffix.memory[i].clone(), features=suffix.features[i].clone(),
-                    valid=suffix.valid[i].clone(), corr_taps=corr[i].clone(),
-                    corr_index=suffix.corr_index[i].clone() if self.keep_debug else None,
-                    draft_logits=logits[i].clone() if self.keep_debug else None,
-                    hidden=hidden[i].clone() if self.keep_debug else None,
-                    target_tokens=(self._last_verify[req.rid][suffix.corr_index[i]] if req.rid in self._last_verify
+                    memory=_keep(suffix.memory[i]), features=_keep(suffix.features[i]),
+                    valid=_keep(suffix.valid[i]), corr_taps=_keep(corr[i]),
+                    corr_index=_keep(suffix.corr_index[i]) if self.keep_debug else None,
+                    draft_logits=_keep(logits[i]) if self.keep_debug else None,
+                    hidden=_keep(hidden[i]) if self.keep_debug else None,
+                    target_tokens=(_keep(self._last_verify[req.rid][suffix.corr_index[i]].cpu())
+                                   if req.rid in self._last_verify
                                    else torch.zeros(suffix.corr_index.shape[1], dtype=torch.long))))
         return hidden, logits
 

@@ -15,6 +15,7 @@ conventions (validation.py, conventions.py); finished requests update Triton cus
 ``RETRACE_PYTHONPATH``        extra import directories (``:``-separated, relative to the model directory)
 ``RETRACE_RUNTIME_FACTORY``   "module:callable" replacing the real runtime (tests: the stand-in)
 ``RETRACE_RUNTIME_OPTIONS``   JSON keyword arguments for the runtime factory
+``RETRACE_DEVICE``            ``cpu`` or ``cuda`` (a KIND_GPU instance runs on the GPU Triton gives it)
 """
 
 import json
@@ -121,6 +122,8 @@ class TritonPythonModel:
         manifest = serving.read_manifest(bundle)
         max_batch = int(params.get("RETRACE_MAX_BATCH", "8"))
         options = json.loads(params.get("RETRACE_RUNTIME_OPTIONS") or "{}")
+        if params.get("RETRACE_DEVICE") == "cuda":
+            options.setdefault("device", f"cuda:{int(args.get('model_instance_device_id') or 0)}")
         runtime = serving.create_runtime(
             bundle,
             backend=params.get("RETRACE_BACKEND") or serving.DEFAULT_BACKEND,

@@ -47,6 +47,7 @@ def render_config(
     *,
     instances: int,
     parameters: dict[str, str],
+    device: str = "cpu",
 ) -> str:
     """The config.pbtxt text: python backend, decoupled, no Triton-side batching (the model batches).
 
@@ -70,7 +71,8 @@ def render_config(
     lines.append(",\n".join(ins))
     lines += ["]", "output ["]
     lines.append(",\n".join(f"  {{ name: {_q(n)} data_type: {t} dims: [ -1 ] }}" for n, t in OUTPUTS.items()))
-    lines += ["]", f"instance_group [ {{ count: {int(instances)} kind: KIND_CPU }} ]"]
+    kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"  # GPU: one set of `count` instances per visible GPU
+    lines += ["]", f"instance_group [ {{ count: {int(instances)} kind: {kind} }} ]"]
     for key, value in parameters.items():
         lines.append(f"parameters {{ key: {_q(key)} value: {{ string_value: {_q(value)} }} }}")
     return "\n".join(lines) + "\n"
@@ -105,6 +107,7 @@ def write_repository(
     pythonpath: Sequence[str | os.PathLike[str]] = (),
     force: bool = False,
     verify_policy: str = "adaptive",
+    device: str = "cpu",
 ) -> Path:
     """Write the model repository for ``bundle_dir`` at ``out_repo`` and return its path.
 
@@ -136,6 +139,14 @@ def write_repository(
         raise RepositoryError(f"max_tokens must be >= 0 (0: the bundle's limit), got {max_tokens}")
     if verify_policy not in ("adaptive", "fixed"):
         raise RepositoryError(f"verify_policy must be 'adaptive' or 'fixed', got {verify_policy!r}")
+    if device not in ("cpu", "cuda"):
+        raise RepositoryError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    from retrace.runtime.api import BUNDLE_DEVICES
+
+    runs_on = BUNDLE_DEVICES.get(backend, (device, False))[0]
+    if runtime_factory is None and runs_on != device:
+        raise RepositoryError(f"the {backend} backend runs on {runs_on}: device {device!r} needs a "
+                              f"{'tensorrt' if device == 'cuda' else 'onnxruntime'} bundle")
     modes = [m.strip() for m in modes if m.strip()]
     if not modes or any("," in m for m in modes):
         raise RepositoryError(f"modes must be non-empty names without commas, got {modes}")
@@ -179,6 +190,7 @@ def write_repository(
             "RETRACE_MAX_TOKENS": str(int(max_tokens)),
             "RETRACE_MODES": ",".join(modes),
             "RETRACE_VERIFY_POLICY": verify_policy,
+            "RETRACE_DEVICE": device,
         }
         if env_path is not None:
             params["EXECUTION_ENV_PATH"] = str(Path(env_path).absolute())
@@ -188,7 +200,8 @@ def write_repository(
             params["RETRACE_RUNTIME_FACTORY"] = runtime_factory
         if runtime_options:
             params["RETRACE_RUNTIME_OPTIONS"] = json.dumps(runtime_options)
-        (model_dir / "config.pbtxt").write_text(render_config(model_name, instances=instances, parameters=params))
+        (model_dir / "config.pbtxt").write_text(render_config(model_name, instances=instances, parameters=params,
+                                                              device=device))
         meta = {
             "generator": f"retrace {retrace.__version__}",
             "bundle_source": str(bundle),

@@ -1,0 +1,331 @@
+"""`python -m retrace.gpucheck.bench OUTDIR [--dry-run]` (scripts/gpu_bench.sh): the runtime on a GPU.
+
+Random-weight pairs built on the device (Qwen3-8B and Qwen3-0.6B shapes in bf16, a 5-layer and a 1-layer
+drafter with a ReTrace conditioner; `--dry-run`: the same steps on the CPU at toy size, fp32), then per shape:
+  timings    CUDA-event times (host timers on the CPU) of the target at T=1 and T=16, the draft call, and
+             a whole round at fixed K (0, 3, 7, 15; the drafter runs, the policy verifies K drafts);
+  tau        rounds whose drafts come from a greedy pre-pass (tau 1, 3, 6: acceptance controlled);
+  reference  (a) a static-cache, CUDA-graph, greedy-on-device decoder written here on the same weights
+             (gpucheck/static_reference.py: what vLLM, SGLang and gpt-fast do), (b) transformers' eager
+             greedy decode, (c) the bandwidth roofline: one read of every weight, timed;
+  profile    per round: kernel launches and synchronisations (torch.profiler), host reads and the bytes
+             they bring back (every conversion of a tensor to host values, counted).
+OUTDIR/gpu_bench.json is rewritten after every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SHAPES = {  # name -> (target layers, hidden, heads, kv heads, head_dim, MLP, vocab)
+    "qwen3-8b": (36, 4096, 32, 8, 128, 12288, 151936),
+    "qwen3-0.6b": (28, 1024, 16, 8, 128, 3072, 151936),
+    "toy": (4, 64, 4, 2, 16, 96, 128),
+}
+KS = (0, 3, 7, 15)
+TAUS = (1, 3, 6)
+
+
+# -- building -------------------------------------------------------------------------------------------------
+def build_pair(shape: str, draft_layers: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A random Qwen3 target of `shape` and a drafter of `draft_layers` with a random conditioner, on device."""
+    from retrace.models.conditioner import ReTraceConditioner
+    from retrace.models.config import Qwen3Config
+    from retrace.models.drafter import DFlashDrafter, new_drafter_config
+    from retrace.models.target import Qwen3Target
+
+    L, d, h, kv, hd, mlp, V = SHAPES[shape]
+    cfg = Qwen3Config.from_dict({
+        "vocab_size": V, "hidden_size": d, "num_hidden_layers": L, "num_attention_heads": h,
+        "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": mlp, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "eos_token_id": V - 2}, Path(f"<{shape}>"))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        probe = Qwen3Target(cfg)
+        dcfg = new_drafter_config(probe, num_layers=draft_layers, block_size=16)
+        target = Qwen3Target(cfg, tap_layers=tuple(dcfg.target_layer_ids)).to(dtype)
+        del probe
+        drafter = DFlashDrafter(dcfg, target, ReTraceConditioner(d)).to(dtype)
+    for p in list(target.parameters()) + list(drafter.parameters()):
+        with torch.no_grad():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    drafter.conditioner.reset(init="random", seed=seed)
+    drafter.conditioner.to(device=device, dtype=dtype)
+    return target.eval().requires_grad_(False), drafter.eval().requires_grad_(False)
+
+
+class FixedK:
+    """A verify policy that always drafts and verifies exactly K drafts per row."""
+
+    name = "fixed-k"
+
+    def __init__(self, block_size: int, k: int):
+        self.block_size, self.k = block_size, k
+
+    def plan(self, mode, rows):
+        return self.block_size - 1
+
+    def choose(self, mode, draft_logits, drafts, q):
+        from retrace.runtime.device import index_tensor
+
+        return index_tensor([min(self.k, drafts.shape[1])] * drafts.shape[0], drafts.device)
+
+    def observe(self, *args):
+        pass
+
+
+class PrepassDrafts:
+    """A backend wrapper: the drafter runs, then its logits are replaced on the device so that slot k's
+    draft is the greedy pre-pass token for k < tau - 1 and a wrong one after (acceptance tau exactly)."""
+
+    def __init__(self, inner, sequences: torch.Tensor, tau: int):
+        self.inner, self.seq, self.tau = inner, sequences, tau  # seq [slots, L]: prompt + greedy continuation
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
+        hidden, logits = self.inner.draft(slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix)
+        pos = block_positions[:, 1:].clamp_max(self.seq.shape[1] - 1)
+        true = self.seq[slots.to(self.seq.device)].gather(1, pos)
+        V = logits.shape[-1]
+        slot = torch.arange(1, pos.shape[1] + 1, device=pos.device).unsqueeze(0)
+        tok = torch.where(slot < self.tau, true, (true + 1) % (V - 2))
+        forced = torch.full_like(logits, -10.0).scatter_(2, tok.unsqueeze(-1), 10.0)
+        return hidden, forced
+
+
+# -- measuring --------------------------------------------------------------------------------------------
+def _timer(device):
+    from retrace.runtime.stopwatch import stopwatch_for
+
+    return stopwatch_for(device)
+
+
+def time_call(fn, device, repeats: int) -> float:
+    """Median seconds of fn() (device time on CUDA), after one warm-up call."""
+    clock = _timer(device)
+    fn()
+    times = []
+    for _ in range(repeats):
+        a = clock.mark()
+        fn()
+        times.append(clock.seconds(a, clock.mark()))
+    return sorted(times)[len(times) // 2]
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the conversions of tensors to host values and the bytes they read."""
+
+    FUNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+             torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.count = self.bytes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FUNCS and args and isinstance(args[0], torch.Tensor):
+            self.count += 1
+            self.bytes += args[0].numel() * args[0].element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def _runtime(backend, policy):
+    from retrace.runtime import Runtime
+
+    return Runtime(backend, None, verify_policy=policy)
+
+
+def run_rounds(backend, prompts, mode, policy, new_tokens, device) -> dict:
+    """Generate; -> ms per round and per token, tau, rounds (after one warm-up request)."""
+    from retrace.runtime import SamplingParams
+
+    rt = _runtime(backend, policy)
+    rt.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True), mode)
+    rt.reset_stats()
+    clock = _timer(device)
+    a = clock.mark()
+    res = rt.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), mode)
+    wall = clock.seconds(a, clock.mark())
+    st = rt.run_stats()
+    rounds = max(1, st["rounds"] // len(prompts))
+    return {"ms_per_round": round(1e3 * wall / rounds, 3), "ms_per_token": round(1e3 * wall / st["tokens"], 3),
+            "tau": st["tau"], "rounds": rounds, "tokens": st["tokens"], "token_ids": [r.token_ids for r in res]}
+
+
+def profile_round(backend, prompts, mode, policy, new_tokens, device) -> dict:
+    """Per round: kernel launches and synchronisations (CUDA; on the CPU: aten ops), host reads and bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from retrace.runtime import SamplingParams
+
+    rt = _runtime(backend, policy)
+    rt.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True), mode)
+    rt.reset_stats()
+    reads = HostReads()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof, reads:
+        rt.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), mode)
+    rounds = max(1, rt.run_stats()["rounds"] // len(prompts))
+    names = [e.name for e in prof.events()]
+    launches = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch") for n in names)
+    syncs = sum("Synchronize" in n for n in names)
+    aten = sum(n.startswith("aten::") for n in names)
+    return {"rounds": rounds, "kernel_launches_per_round": round(launches / rounds, 1),
+            "synchronizations_per_round": round(syncs / rounds, 2), "aten_ops_per_round": round(aten / rounds, 1),
+            "host_reads_per_round": round(reads.count / rounds, 2),
+            "host_read_bytes_per_round": round(reads.bytes / rounds, 1)}
+
+
+def call_timings(backend, device, repeats: int, past: int) -> dict:
+    """Target at T=1 and T=16 and one draft call (16 new context taps) at `past` on slot 0."""
+    from retrace.runtime.device import index_tensor
+
+    slot = index_tensor([0], device)
+    out = {}
+    for T in (1, 16):
+        ids = torch.zeros(1, T, dtype=torch.int64, device=device)
+        pos = index_tensor([list(range(past, past + T))], device)
+        li = torch.arange(T, device=device).unsqueeze(0)
+        call = lambda ids=ids, pos=pos, li=li: backend.target(slot, ids, pos, li)  # noqa: E731
+        out[f"target_T{T}_ms"] = round(1e3 * time_call(call, device, repeats), 3)
+    dc, tc = backend.drafter_config, backend.target_config
+    taps = torch.zeros(1, 16, tc.hidden_size * dc.num_taps, device=device, dtype=backend.dtype)
+    ctx_pos = index_tensor([list(range(past - 16, past))], device)
+    block = torch.full((1, dc.block_size), dc.mask_token_id, dtype=torch.int64, device=device)
+    bpos = index_tensor([list(range(past, past + dc.block_size))], device)
+    out["draft_ms"] = round(1e3 * time_call(lambda: backend.draft(slot, taps, ctx_pos, block, bpos, None), device,
+                                            repeats), 3)
+    return out
+
+
+def roofline(target, device, repeats: int) -> dict:
+    """One read of every weight, timed: the floor of a decode step that must read them all."""
+    params = list(target.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    s = time_call(lambda: [p.amax() for p in params], device, repeats)
+    return {"weight_bytes": nbytes, "read_all_weights_ms": round(1e3 * s, 3), "bandwidth_GBps": round(nbytes / s / 1e9, 1)}
+
+
+def hf_eager(target, prompt: list[int], n: int, device) -> dict:
+    """transformers' eager greedy decode on the same weights (copied into its own model)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    c = target.config.layers
+    cfg = Qwen3Config(vocab_size=target.config.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=c.rope_theta, max_position_embeddings=4096, tie_word_embeddings=False,
+                      attn_implementation="eager")
+    with torch.device(device):
+        hf = Qwen3ForCausalLM(cfg).to(target.lm_head.weight.dtype)
+    hf.load_state_dict(target.state_dict(), strict=False)  # the same names (lm_head, model.*)
+    hf.eval()
+    ids = torch.tensor([prompt], device=device)
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, temperature=None, top_p=None, top_k=None,
+              pad_token_id=0, attention_mask=torch.ones_like(ids))
+    hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+    clock = _timer(device)
+    a = clock.mark()
+    out = hf.generate(ids, **kw)
+    s = clock.seconds(a, clock.mark())
+    return {"ms_per_token": round(1e3 * s / n, 3), "token_ids": out[0, len(prompt):].tolist()}
+
+
+def reference(target, prompt: list[int], n: int, device) -> dict:
+    from retrace.gpucheck.static_reference import StaticGreedy
+
+    ref = StaticGreedy(target, len(prompt) + n + 8)
+    ref.capture()
+    ref.generate(prompt, 3)
+    clock = _timer(device)
+    a = clock.mark()
+    toks = ref.generate(prompt, n)
+    s = clock.seconds(a, clock.mark())
+    return {"ms_per_token": round(1e3 * s / n, 3), "cuda_graph": ref.graph is not None, "token_ids": toks}
+
+
+# -- the sections -----------------------------------------------------------------------------------------
+def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> None:
+    from retrace.runtime.torch_backend import TorchBackend
+
+    new = 8 if dry else 64
+    repeats = 3 if dry else 20
+    g = torch.Generator().manual_seed(0)
+    V = SHAPES[shape][-1]
+    prompts = [torch.randint(0, V - 2, (24 if dry else 128,), generator=g).tolist()]
+    for draft_layers in ((1, 2) if dry else (5, 1)):
+        target, drafter = build_pair(shape, draft_layers, device, dtype)
+        max_len = len(prompts[0]) + new + 64
+        be = TorchBackend(target, drafter, max_batch=1, max_seq_len=max_len, device=device)
+        key = f"drafter{draft_layers}"
+        part = result[key] = {}
+        part["calls"] = call_timings(be, device, repeats, past=len(prompts[0]))
+        save()
+        ar = run_rounds(be, prompts, "ar", "fixed", new, device)
+        part["ar"] = {k: v for k, v in ar.items() if k != "token_ids"}
+        part["fixed_k"] = {str(k): {kk: v for kk, v in run_rounds(be, prompts, "retrace", FixedK(16, k), new,
+                                                                       device).items() if kk != "token_ids"}
+                           for k in KS}
+        save()
+        seq = torch.tensor([prompts[0] + ar["token_ids"][0] + [0] * 32], device=device)
+        part["controlled_tau"] = {}
+        for tau in TAUS:
+            r = run_rounds(PrepassDrafts(be, seq, tau), prompts, "retrace", FixedK(16, 15), new, device)
+            part["controlled_tau"][str(tau)] = {**{k: v for k, v in r.items() if k != "token_ids"},
+                                                "lossless": r["token_ids"] == ar["token_ids"]}
+        save()
+        part["profile"] = {"ar": profile_round(be, prompts, "ar", "fixed", new, device),
+                           "retrace_k15": profile_round(be, prompts, "retrace", FixedK(16, 15), new, device)}
+        save()
+        if draft_layers == ((1, 2) if dry else (5, 1))[0]:
+            ref = reference(target, prompts[0], new, device)
+            result["reference_static_cuda_graph"] = {**{k: v for k, v in ref.items() if k != "token_ids"},
+                                                     "same_tokens_as_ar": ref["token_ids"] == ar["token_ids"][0]}
+            save()
+            hf = hf_eager(target, prompts[0], new, device)
+            result["transformers_eager"] = {"ms_per_token": hf["ms_per_token"],
+                                            "same_tokens_as_ar": hf["token_ids"] == ar["token_ids"][0]}
+            result["roofline"] = roofline(target, device, repeats)
+            save()
+        del be, target, drafter
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m retrace.gpucheck.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("outdir", type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, toy size, fp32 (what the test suite runs)")
+    ap.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES) + " (default: the two Qwen3)")
+    a = ap.parse_args(argv)
+    a.outdir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from retrace.gpucheck.record import Report, log
+
+    cuda = torch.cuda.is_available() and not a.dry_run
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shapes = a.shapes.split(",") if a.shapes else (["toy"] if a.dry_run else ["qwen3-8b", "qwen3-0.6b"])
+    rep = Report(a.outdir / "gpu_bench.json", {"dry_run": a.dry_run, "device": str(device), "dtype": str(dtype),
+                                                "shapes": shapes, "torch": torch.__version__,
+                                                "gpu": torch.cuda.get_device_name() if cuda else None,
+                                                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    if not cuda and not a.dry_run:
+        log("WARNING: CUDA is not available: running on the CPU")
+    for shape in shapes:
+        rep.run(shape, lambda r, s=shape: shape_section(r, s, device, dtype, a.dry_run, rep.write))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

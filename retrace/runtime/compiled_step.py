@@ -1,0 +1,36 @@
+"""The torch backend's step functions under torch.compile (`retrace generate --compile`).
+
+The target's step and the drafter's block step are compiled with `fullgraph=True` (a graph break is an
+error, never a silent fallback to Python) and dynamic shapes (the past length, the verify width and the
+batch change every call: one graph serves them). If the compiler itself fails (no C++ toolchain, an
+unsupported op on this build), the step falls back to eager once, with a warning, and stays eager.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+COMPILERS = ("inductor", "aot_eager", "eager")  # inductor: generated kernels; the others check the trace only
+
+
+class CompiledStep:
+    def __init__(self, module: nn.Module, what: str, compiler: str = "inductor"):
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler {compiler!r}: choose from {', '.join(COMPILERS)}")
+        self.module, self.what = module, what
+        self.compiled = torch.compile(module, fullgraph=True, dynamic=True, backend=compiler)
+        self.fallback = False
+
+    def __call__(self, *args, **kwargs):
+        if self.fallback:
+            return self.module(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # the compiler, not the model, failed
+            warnings.warn(f"torch.compile of the {self.what} step failed ({type(e.__cause__ or e).__name__}); "
+                          "running it eagerly", RuntimeWarning, stacklevel=2)
+            self.fallback = True
+            return self.module(*args, **kwargs)

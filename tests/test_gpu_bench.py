@@ -1,0 +1,39 @@
+"""scripts/gpu_bench.sh --dry-run: every step of the prepared GPU benchmark runs on the CPU at toy size.
+
+Checks what the real run is for: every section finished and wrote its figures; the controlled-tau rounds
+(drafts from a greedy pre-pass) reach the tau they were built for and stay token-exact; the in-script
+static-cache reference and transformers' eager decode produce our `ar` tokens on the same weights; a round
+reads the host at most twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_bench_dry_run(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(out), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "gpu_bench.json").read_text())
+    sec = data["sections"]["toy"]
+    assert sec["status"] == "ok", sec.get("traceback")
+    r = sec["result"]
+    assert r["reference_static_cuda_graph"]["same_tokens_as_ar"] and r["transformers_eager"]["same_tokens_as_ar"]
+    assert r["roofline"]["weight_bytes"] > 0 and r["roofline"]["read_all_weights_ms"] > 0
+    for part in (r["drafter1"], r["drafter2"]):
+        assert set(part["fixed_k"]) == {"0", "3", "7", "15"}
+        assert all(v["ms_per_round"] > 0 for v in part["fixed_k"].values())
+        assert {"target_T1_ms", "target_T16_ms", "draft_ms"} <= set(part["calls"])
+        taus = part["controlled_tau"]
+        assert all(t["lossless"] for t in taus.values())
+        assert taus["1"]["tau"] == 1.0 and taus["3"]["tau"] > 2.5  # 8 tokens: the last round is cut short
+        assert part["profile"]["retrace_k15"]["host_reads_per_round"] <= 2
