@@ -42,9 +42,10 @@ def test_session_device_follows_the_first_provider():
     assert io.session_device(["CPUExecutionProvider"]) == torch.device("cpu")
     assert io.session_device([("CPUExecutionProvider", {})]) == torch.device("cpu")
     assert io.session_device(["CUDAExecutionProvider"], device="cpu") == torch.device("cpu")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # a CPU torch: host buffers by default, an explicit "cuda" refused
+        assert io.session_device(["CUDAExecutionProvider", "CPUExecutionProvider"]) == torch.device("cpu")
         with pytest.raises(RetraceError, match="CUDA torch"):
-            io.session_device(["CUDAExecutionProvider", "CPUExecutionProvider"])
+            io.session_device(["CUDAExecutionProvider", "CPUExecutionProvider"], device="cuda")
     with pytest.raises(RetraceError, match="dense"):
         io.bind_input(None, "x", torch.zeros(4, 4).t())
 

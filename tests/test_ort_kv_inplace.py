@@ -76,14 +76,14 @@ def test_another_attention_form_is_left_alone_and_explicit_inplace_refuses(backe
 
 def test_inplace_needs_the_caches_on_the_providers_device(backends):
     """The in-place form shares the caches with the operator: they must sit on the first provider's device
-    (with CUDA first, on the GPU through a CUDA torch, which this machine lacks: one clear error)."""
+    (with CUDA first, on the GPU through a CUDA torch, which this machine lacks: the caches stay in host
+    memory, so in place is refused; asking for device="cuda" is one clear error)."""
     built, _, _ = backends
     cuda_first = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     with pytest.raises(RetraceError, match="torch.cuda.is_available\\(\\) is False.*device='cpu'"):
-        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, providers=cuda_first)
+        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, providers=cuda_first, device="cuda")
     with pytest.raises(RetraceError, match="the K/V caches live on cpu, not on CUDAExecutionProvider's device"):
-        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace", providers=cuda_first,
-                                       device="cpu")
+        OnnxRuntimeBackend.from_bundle(built.bundle, verify=False, kv_mode="inplace", providers=cuda_first)
 
 
 def test_an_onnxruntime_without_the_operator_falls_back_to_the_portable_graph(backends, monkeypatch):

@@ -50,7 +50,8 @@ def speculative_config(drafter: DrafterConfig, speculative_model: str, max_draft
     if not 1 <= draft_len <= drafter.block_size - 1:
         raise RetraceError(f"max_draft_len must be in 1..{drafter.block_size - 1} (block_size - 1), got {draft_len}")
     if attention_backend not in ATTENTION_BACKENDS:
-        raise RetraceError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention_backend!r}")
+        raise RetraceError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                           f"got {attention_backend!r}")
     return {
         "decoding_type": "DFlash",
         "max_draft_len": draft_len,

@@ -44,14 +44,18 @@ def torch_dtype(ort_type: str) -> torch.dtype:
 
 
 def session_device(providers: list, device: str | torch.device | None = None) -> torch.device:
-    """Where a session's bound buffers live: `device` when given, else the first provider's device. A CUDA
-    provider needs a CUDA build of torch to hold its buffers on the GPU: one clear error without it."""
+    """Where a session's bound buffers live: `device` when given, else the first provider's device. Buffers
+    on the GPU are torch CUDA tensors: without a CUDA build of torch the default falls back to host memory
+    (ONNX Runtime then copies them per call, as before device buffers), and device="cuda" is one clear
+    error."""
     if device is not None:
         dev = torch.device(device)
     else:
         first = providers[0] if providers else "CPUExecutionProvider"
         first = first[0] if isinstance(first, tuple) else first  # (name, options)
         dev = torch.device(PROVIDER_DEVICE.get(first, "cpu"))
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            dev = torch.device("cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RetraceError("the CUDA execution provider keeps the K/V caches and outputs on the GPU through torch, "
                            "but torch.cuda.is_available() is False (a CPU build of torch?): install a CUDA torch, or "

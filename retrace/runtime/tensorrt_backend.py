@@ -12,11 +12,11 @@ Engine directory (default `<bundle>/tensorrt`): `target.plan`, `drafter.plan`, `
 max_seq_len, hd] per layer, indexed by absolute position (docs/INTERFACES.md). A call with a past on
 a contiguous slot range binds those slots' whole caches as the past (`bound_past`: P = max_seq_len,
 views, so nothing is copied; the graph masks entries at or beyond each row's past_len); scattered
-slots gather their first max(past_len) positions; a prefill binds an empty past (P = 0); the K/V of the new tokens land in reusable output buffers and are
-written at their positions. Every device operation of a call (input uploads, the run, the cache
-write, the downloads) is issued on the backend's one CUDA stream, so TensorRT never reads a feed
-that another stream is still writing. Tensors cross the interface on the CPU, as the Backend protocol
-says.
+slots gather their first max(past_len) positions; a prefill binds an empty past (P = 0). The K/V of
+the new tokens land in reusable output buffers and are written at their positions. Every device
+operation of a call (input uploads, the run, the cache write, the downloads) is issued on the
+backend's one CUDA stream, so TensorRT never reads a feed that another stream is still writing.
+Tensors cross the interface on the CPU, as the Backend protocol says.
 """
 
 from __future__ import annotations
