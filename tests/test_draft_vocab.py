@@ -307,10 +307,11 @@ def test_bad_map_in_a_drafter_or_bundle_is_refused(world, tmp_path):
     from retrace.engines.bundle import Bundle, write_manifest
     from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
-    m["models"]["drafter"]["draft_vocab"] = {"size": 3}
-    write_manifest(b, m)
-    with pytest.raises(RetraceError, match="must name the folder"):
-        OnnxRuntimeBackend(Bundle.open(b), threads=1)
+    for entry in ({"size": 3}, {"dir": "../.."}):
+        m["models"]["drafter"]["draft_vocab"] = entry
+        write_manifest(b, m)
+        with pytest.raises(RetraceError, match="must name the folder"):
+            OnnxRuntimeBackend(Bundle.open(b), threads=1)
 
 
 # -- sampling: the target's distribution ----------------------------------------------------------------------
