@@ -100,6 +100,7 @@ def test_from_counts_size_coverage_and_always():
     assert from_counts(counts, coverage=0.7).ids.tolist() == [0, 2]  # 14/20 reached with two ids
     assert from_counts(counts, coverage=0.71).ids.tolist() == [0, 2, 4]
     assert from_counts(counts, size=2, always=(7,)).ids.tolist() == [2, 7]  # EOS kept, the rest by count
+    assert from_counts(counts, coverage=0.7, always=(7,)).ids.tolist() == [0, 2, 7]  # EOS on top of the coverage
     assert v.d2t.tolist() == [0, 1]  # EAGLE-3 offsets: target id = draft id + d2t[draft id]
     assert (torch.arange(v.size) + v.d2t).tolist() == v.ids.tolist()
     assert v.t2d.tolist() == [True, False, True, False, False, False, False, False]
