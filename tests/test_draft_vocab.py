@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 import retrace.runtime.loop as loop_module
 from retrace.errors import CheckpointError, RetraceError
-from retrace.models.draft_vocab import META, TENSORS, DraftVocab, count_tokens, from_counts
+from retrace.models.config import Qwen3Config
+from retrace.models.draft_vocab import META, TENSORS, DraftVocab, count_tokens, coverage_of, from_counts
 from retrace.models.drafter import load_pair
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.prompt_lookup import PromptLookup
@@ -100,6 +101,7 @@ def test_from_counts_size_coverage_and_always():
     assert from_counts(counts, coverage=0.7).ids.tolist() == [0, 2]  # 14/20 reached with two ids
     assert from_counts(counts, coverage=0.71).ids.tolist() == [0, 2, 4]
     assert from_counts(counts, size=2, always=(7,)).ids.tolist() == [2, 7]  # EOS kept, the rest by count
+    assert from_counts(counts, coverage=0.7, always=(7,)).ids.tolist() == [0, 2, 7]  # EOS on top of the coverage
     assert v.d2t.tolist() == [0, 1]  # EAGLE-3 offsets: target id = draft id + d2t[draft id]
     assert (torch.arange(v.size) + v.d2t).tolist() == v.ids.tolist()
     assert v.t2d.tolist() == [True, False, True, False, False, False, False, False]
@@ -179,7 +181,10 @@ def test_train_draft_vocab_cli(world, tmp_path):
     assert r.exit_code == 0, r.output
     va = DraftVocab.load(a, VOCAB)
     counts = count_tokens(greedy, VOCAB)
-    assert va.coverage >= 0.9 and from_counts(counts, size=va.size - 1).coverage < 0.9
+    assert va.coverage >= 0.9
+    eos = set(Qwen3Config.from_dir(target).eos_token_ids)
+    rarest = min((t for t in va.ids.tolist() if t not in eos), key=lambda t: (int(counts[t]), -t))
+    assert coverage_of(torch.tensor([t for t in va.ids.tolist() if t != rarest]), counts) < 0.9  # the fewest
     assert json.loads(r.output)["draft_vocab_size"] == va.size
     b = drafter_copy(world["drafter"], tmp_path / "b")
     resp = tmp_path / "responses.json"
@@ -307,10 +312,11 @@ def test_bad_map_in_a_drafter_or_bundle_is_refused(world, tmp_path):
     from retrace.engines.bundle import Bundle, write_manifest
     from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
-    m["models"]["drafter"]["draft_vocab"] = {"size": 3}
-    write_manifest(b, m)
-    with pytest.raises(RetraceError, match="must name the folder"):
-        OnnxRuntimeBackend(Bundle.open(b), threads=1)
+    for entry in ({"size": 3}, {"dir": "../.."}):
+        m["models"]["drafter"]["draft_vocab"] = entry
+        write_manifest(b, m)
+        with pytest.raises(RetraceError, match="must name the folder"):
+            OnnxRuntimeBackend(Bundle.open(b), threads=1)
 
 
 # -- sampling: the target's distribution ----------------------------------------------------------------------

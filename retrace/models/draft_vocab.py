@@ -153,18 +153,20 @@ def from_counts(counts: torch.Tensor, size: int | None = None, coverage: float |
     total = int(counts.sum())
     if not total:
         raise ValueError("no tokens counted: the responses are empty")
+    always_t = torch.tensor(sorted({int(a) for a in always if 0 <= int(a) < V}), dtype=torch.int64)
     order = torch.sort(counts, descending=True, stable=True).indices
+    order = order[~torch.isin(order, always_t)]  # the ids by count, the `always` ones aside
     if coverage is not None:
         if not 0 < coverage <= 1:
             raise ValueError(f"coverage must be in (0, 1], got {coverage}")
         cum = counts[order].cumsum(0)
-        need = torch.tensor(math.ceil(coverage * total - 1e-9), dtype=cum.dtype)
-        size = int(torch.searchsorted(cum, need)) + 1  # the first prefix whose count reaches `need`
-    always_t = torch.tensor(sorted({int(a) for a in always if 0 <= int(a) < V}), dtype=torch.int64)
-    if not 1 <= size <= V:
-        raise ValueError(f"size must be in 1..{V} (the target vocab), got {size}")
-    size = max(size, always_t.numel())
-    keep = order[~torch.isin(order, always_t)][: size - always_t.numel()]
+        need = max(0, math.ceil(coverage * total - 1e-9) - int(counts[always_t].sum()))
+        n = int(torch.searchsorted(cum, torch.tensor(need, dtype=cum.dtype))) + 1 if need else 0
+        keep = order[:n]  # the fewest ids whose counts, with the `always` ones, reach the coverage
+    else:
+        if not 1 <= size <= V:
+            raise ValueError(f"size must be in 1..{V} (the target vocab), got {size}")
+        keep = order[: max(0, size - always_t.numel())]
     ids = torch.sort(torch.cat([keep, always_t])).values
     info = {"coverage": round(coverage_of(ids, counts), 6), "counted_tokens": total,
             "distinct_tokens": int((counts > 0).sum()), **(meta or {})}

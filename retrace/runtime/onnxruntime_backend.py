@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from retrace.engines.bundle import Bundle, BundleError
+from retrace.engines.bundle import Bundle, BundleError, _inside
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.draft_vocab import DraftVocab
 from retrace.models.drafter import SuffixInputs
@@ -459,8 +459,9 @@ def bundle_draft_vocab(bundle: Bundle, vocab_size: int) -> DraftVocab | None:
     if not entry:
         return None
     where = bundle.root / "manifest.json"
-    if not isinstance(entry, dict) or not isinstance(entry.get("dir"), str):
-        raise BundleError(f"{where}: models.drafter.draft_vocab must name the folder of its files ('dir')")
+    if not isinstance(entry, dict) or not _inside(bundle.root, entry.get("dir")):
+        raise BundleError(f"{where}: models.drafter.draft_vocab must name the folder of its files ('dir', inside "
+                          "the bundle)")
     vocab = DraftVocab.load(bundle.root / entry["dir"], vocab_size)
     if vocab is None:
         raise BundleError(f"{bundle.root / entry['dir']}: the draft vocabulary the manifest lists is missing")
