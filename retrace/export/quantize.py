@@ -36,8 +36,9 @@ from retrace.errors import RetraceError
 
 WEIGHTS = ("fp32", "int8", "int4")
 BITS = {"int4": 4, "int8": 8}
-# int4: block 128 of K (at the 0.6B shape 1.0x-1.1x the decode time of block 256, and a smaller error);
-# int8: block 128, as onnxruntime-genai's int8 CPU models
+# block 128 of K for both widths: between onnxruntime-genai's default 32 (issue 25: 25.5-26.3 ms/token at the
+# 0.6B shape) and its fastest 256 (20.3 ms), with 2x finer scales than 256; not yet measured for our graphs
+# (docs/quantization.md)
 DEFAULT_BLOCK = {"int4": 128, "int8": 128}
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations in the CPU kernel (MatMulNBits accuracy_level)
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
