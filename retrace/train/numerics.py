@@ -55,7 +55,9 @@ def run_portable(args: list[str]) -> tuple[int, str]:
         while True:
             try:
                 out, _ = child.communicate()
-                return child.returncode, out
+                # a child that died of a signal (Python re-raises an interrupt that arrives while it finalizes
+                # a half-done import as the signal itself) exits like a shell reports it: 128 + the signal
+                return (128 - child.returncode if child.returncode < 0 else child.returncode), out
             except KeyboardInterrupt:
                 child.send_signal(signal.SIGINT)
     finally:
