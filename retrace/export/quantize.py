@@ -92,20 +92,25 @@ class WeightQuant:
                 "quantizer": "onnxruntime.quantization.matmul_nbits_quantizer (DEFAULT, RTN)"}
 
 
-def quantize_lm_head(model) -> str | None:
-    """Rewrite the exported LM head of `model` (changed in place) as MatMul(rows, W^T), W^T a new
-    initializer `<W>.T`, so the quantizer takes it; returns W's name, or None without that head."""
+def quantize_lm_head(model, base_dir: Path) -> str | None:
+    """Rewrite the exported LM head of `model` (loaded without its external data; changed in place, its
+    data loaded from `base_dir` on return) as MatMul(rows, W^T), W^T a new initializer `<W>.T`, so the
+    quantizer takes it; returns W's name, or None without that head. The rewrite works on the graph alone: a
+    model with its weights can pass protobuf's 2 GiB limit (the Qwen3-0.6B-shape target does)."""
     import onnx
     from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_model
 
     from retrace.runtime.graph_prune import prune
     from retrace.runtime.lm_head_split import rewrite_head
 
     head = rewrite_head(Path(), cut=False, model=model)  # Gemm(rows, W, transB=1) -> Reshape -> logits
+    if head.weight:
+        model.CopyFrom(onnx.ModelProto.FromString(head.model))
+    load_external_data_for_model(model, str(base_dir))
     if not head.weight:
         return None
-    rewritten = onnx.ModelProto.FromString(head.model)
-    g = rewritten.graph
+    g = model.graph
     gemm = next(n for n in g.node if n.op_type == "Gemm" and n.name == "lm_head_gemm")
     w = next(i for i in g.initializer if i.name == head.weight)
     wt = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(w).T), head.weight + ".T")
@@ -114,7 +119,6 @@ def quantize_lm_head(model) -> str | None:
     g.node.remove(gemm)
     g.node.insert(at, onnx.helper.make_node("MatMul", [gemm.input[0], wt.name], list(gemm.output), name="lm_head_matmul"))
     prune(g)
-    model.CopyFrom(rewritten)
     return head.weight
 
 
@@ -127,8 +131,14 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
     )
 
     path = Path(path)
-    model = onnx.load(str(path))  # the weights too: the quantizer reads them
-    head = quantize_lm_head(model) if q.lm_head else None
+    model = onnx.load(str(path), load_external_data=False)
+    if q.lm_head:
+        head = quantize_lm_head(model, path.parent)  # loads the weights too: the quantizer reads them
+    else:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        head = None
+        load_external_data_for_model(model, str(path.parent))
     before = {n.name for n in model.graph.node if n.op_type == "MatMul"}
     config = DefaultWeightOnlyQuantConfig(block_size=q.block, is_symmetric=True, accuracy_level=q.level,
                                           bits=q.bits)
