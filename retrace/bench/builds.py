@@ -187,6 +187,8 @@ def never_produce_padded(onnx_path: Path, real_vocab: int) -> None:
     import onnx
     from onnx import helper, numpy_helper
 
+    from retrace.export.quantize import relocate_external
+
     model = onnx.load(str(onnx_path))
     g = model.graph
     out = next((o for o in g.output if o.name == "logits"), None)
@@ -206,14 +208,8 @@ def never_produce_padded(onnx_path: Path, real_vocab: int) -> None:
     tmp = onnx_path.with_name(onnx_path.name + ".tmp")
     onnx.save(model, str(tmp), save_as_external_data=True, location=data + ".tmp")
     (onnx_path.parent / (data + ".tmp")).rename(onnx_path.parent / data)
-    # the graph names its external file: rewrite it to the final name
-    m2 = onnx.load(str(tmp), load_external_data=False)
-    for t in m2.graph.initializer:
-        for e in t.external_data:
-            if e.key == "location":
-                e.value = data
-    onnx.save(m2, str(onnx_path))
-    tmp.unlink()
+    relocate_external(tmp, data)  # the graph names its external file: the final name
+    tmp.replace(onnx_path)
 
 
 def build_genai_draft_model(target_dir: str | Path, draft_dir: str | Path, cache_dir: str | Path,

@@ -155,7 +155,7 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
     # the new data file first, then the graph naming it (nothing half-written under the final names)
     os.chmod(data.with_name(data.name + ".quantizing"), path.stat().st_mode & 0o777)  # onnx writes it 0600
     os.replace(data.with_name(data.name + ".quantizing"), data)
-    _relocate(tmp, data.name)
+    relocate_external(tmp, data.name)
     os.replace(tmp, path)
     left = sorted(before - {n[: -len(f"_Q{q.bits}")] for n in nodes})
     return {"nodes": nodes, "float_matmuls": left, "lm_head": f"{head}.T" if head else None,
@@ -175,7 +175,7 @@ def _save(model, path: Path, location: str) -> None:
     onnx.save_model(model, str(path))
 
 
-def _relocate(graph: Path, location: str) -> None:
+def relocate_external(graph: Path, location: str) -> None:
     """Point every external tensor of the (external-data) graph file at `location`."""
     import onnx
 
