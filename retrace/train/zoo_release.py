@@ -148,8 +148,9 @@ def write(zoo: str | Path, command: str, dest: Path | None = None) -> dict:
     names = sorted(str(p.relative_to(zoo).as_posix()) for p in zoo.rglob("*")
                    if p.is_file() and p.name not in (".retrace-output.json", RELEASE) and "draft-ar" not in p.parts)
     dest = Path(dest) if dest is not None else release_dir(size, seed)
+    key = recipe(size, seed)
     rel = {"format": FORMAT, "name": f"{size}-seed{seed}", "size": size, "seed": seed,
-           "recipe": recipe(size, seed), "recipe_sha256": manifest_digest(recipe(size, seed)),
+           "recipe": key, "recipe_sha256": manifest_digest(key),
            "built_with": {"command": command, "versions": man.get("versions"), "numerics": man.get("numerics"),
                           "stdlib": man["key"]["target_stage"]["train"].get("stdlib"),
                           "timings_s": {k: man.get("timings", {}).get(k) for k in ("total_s", "cpu_s")}},
