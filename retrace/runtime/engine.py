@@ -243,11 +243,13 @@ class Engine:
             if ev.finished and getattr(ev.request, "error", None):  # it failed alone; its batch-mates go on
                 self._close(h, RequestRejected(ev.request.error))
                 continue
+            if ev.finished:  # counted before its caller can see the end, so a scrape after it agrees
+                del self._active[id(ev.request)]
+                self.completed += 1
+                self._observe(h)
             h._push(ev, n)
             delivered = self._notify_listener(h, ev)
             if ev.finished:
-                del self._active[id(ev.request)]
-                self.completed += 1
                 self._finished(h)
             elif not delivered:
                 self._close(h, RequestCancelled("the client went away"))
@@ -277,6 +279,7 @@ class Engine:
             self.cancelled += 1
         else:
             self.failed += 1
+        self._observe(h)
         h._fail(error)
         fn = getattr(h.listener, "on_error", None)
         if fn is not None:
@@ -289,6 +292,8 @@ class Engine:
     def _finished(self, h: Handle) -> None:
         with self._cv:
             self._outstanding -= 1
+
+    def _observe(self, h: Handle) -> None:
         if h.request is not None:
             try:
                 d = h.request.result()

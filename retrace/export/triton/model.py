@@ -71,20 +71,22 @@ class _TritonSink:
                    pb_utils.Tensor("output_ids", np.asarray(token_ids, dtype=np.int64).reshape(-1))]
         if stats is not None:
             outputs.append(_bytes_tensor("stats", json.dumps(stats)))
+        if final and stats is not None:  # counted before the client can see the end (a scrape then agrees)
+            self._observe(stats, stats.get("finish_reason"))
         self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL if final else 0)
-        if final and stats is not None and self.metrics is not None:
-            try:
-                self.metrics.observe(self.mode, stats, stats.get("finish_reason"))
-            except Exception as e:  # metrics must never fail a request
-                _log(f"metrics update failed: {type(e).__name__}: {e}")
 
     def error(self, message, kind="internal"):
+        # cancelled and failed requests are counted too (no acceptance stats), before the client sees the error
+        self._observe({}, "cancelled" if kind == "cancelled" else "error")
         self.sender.send(_error(message, kind), flags=_FINAL)
-        if self.metrics is not None:  # cancelled and failed requests are counted too (no acceptance stats)
-            try:
-                self.metrics.observe(self.mode, {}, "cancelled" if kind == "cancelled" else "error")
-            except Exception as e:
-                _log(f"metrics update failed: {type(e).__name__}: {e}")
+
+    def _observe(self, stats, finish_reason):
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.observe(self.mode, stats, finish_reason)
+        except Exception as e:  # metrics must never fail a request
+            _log(f"metrics update failed: {type(e).__name__}: {e}")
 
     def is_cancelled(self):
         return self.sender.is_cancelled()
