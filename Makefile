@@ -92,7 +92,7 @@ gpu-carry: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gpu_carry.sh
 
 # The zoo's figures over 3 seeds (portable numerics; each seed cached under zoo-seeds/seed-N): the spread the
-# README gives. About 3x one `make demo` zoo build.
+# docs/bench/zoo.md gives. About 3x one `make demo` zoo build.
 zoo-seeds: $(STAMP)
 	$(BIN)/python benchmarks/zoo_seeds.py --size small --seeds 0,1,2 --root zoo-seeds --json bench-out/zoo-seeds.json --markdown bench-out/zoo-seeds.md --plot bench-out/zoo-seeds.png
 

@@ -8,8 +8,8 @@ sets or removes the variable explicitly.
 
 Groups and candidates (threads T = --threads):
 - `hf` (hf-ar, hf-dflash), `retrace-torch` (retrace-torch-*): torch threads T, OMP_WAIT_POLICY library
-  default (unset: libgomp spins ~300k iterations, then sleeps) or PASSIVE. Measured on this 2-core machine
-  (issue 13): transformers runs ~1.5-2x faster with the default.
+  default (unset: libgomp spins ~300k iterations, then sleeps) or PASSIVE (which wins depends on the load:
+  docs/benchmarks.md).
 - `retrace-onnxruntime`: ONNX Runtime's own thread pool (T intra-op threads); torch (the loop's small ops)
   default or PASSIVE.
 - `ortgenai` (ortgenai-*): onnxruntime-genai, ONNX Runtime's thread pool (pip builds do not use OpenMP):
@@ -20,8 +20,7 @@ worker being timed (the runner records every idle worker's CPU time to show this
 
 `measure` (the default) starts one worker per candidate, times the group's first system on a short run in
 alternation and keeps the fastest worker (the choice is cached per machine, group, threads, model and load
-class: on this shared 2-core machine at load ~9, PASSIVE made transformers ~14x faster than the default,
-while on an idle one the default is ~2x faster);
+class, because the winner changes with the load);
 `defaults` takes the first candidate of each group (the library defaults) without measuring; `inherit`
 runs everything in this process with this process's environment (the old behaviour; recorded as such).
 """

@@ -2,15 +2,14 @@
 
 ONNX Runtime's CPU kernels prepack a constant B operand of MatMul/Gemm into a private copy per session, so
 the exported head (`retrace.models.layers.lm_head`: the [V, d] table as the unpacked A operand, which two
-sessions can share) is slow for few rows: at the Qwen3-0.6B shape ~70 ms for any row count up to 16
-against ~43 ms prepacked for 1-5 rows (1.3-1.7x slower for an ar step or a short verify); 4x at the zoo's.
+sessions can share) is slow for few rows (figures: docs/bench/shared-weights.md).
 `rewrite_head` turns it into Gemm(rows, W, transB=1), W as stored, either inside the graph (prepacked by
 that session; for a small table, a copy per session costs little and saves a call) or cut off, the graph
 outputting the rows it would score, for one `LmHead` session that holds the only packed copy for the target
 and the drafter (a table of LM_HEAD_SESSION_MIN_BYTES or more the drafter shares). ONNX Runtime maps the
 table from the target's data file itself and drops that mapping once packed, so the embedding Gathers'
 shared mapping (retrace.runtime.shared_weights) is the only other view of it, read only where they touch
-it. Cost: one more ONNX Runtime call per target / draft call (~0.02-0.04 ms). Layouts alone:
+it. Cost: one more ONNX Runtime call per target / draft call. Layouts alone:
 benchmarks/lm_head_layouts.py. The bundle is unchanged (the TensorRT backend reads the same graphs whole).
 """
 

@@ -15,7 +15,7 @@ strided whenever P < max_seq_len, so "gather" copies the past a call needs into 
 (P = the longest past in the batch), and the graph's Concat copies it again; "full" binds the whole cache
 of a contiguous slot range (no gather, but every call attends over max_seq_len masked entries). The
 drafter's cache (one or two layers) always uses gather (or full). benchmarks/decode_context.py times a decode
-step against the context length in each mode and in onnxruntime-genai (see the README).
+step against the context length in each mode and in onnxruntime-genai (docs/bench/decode-context.md).
 
 Shared weights: the drafter graph's copy of the target's embedding / LM head is not loaded; both sessions
 use one read-only mapping of the target's (retrace.runtime.shared_weights; bundles whose manifest lists
@@ -477,7 +477,7 @@ def _session_options(threads: int | None, entries: dict | None):
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     # No busy-waiting between calls by default: the loop's own torch work runs between ORT calls on the
-    # same cores, and spinning ORT workers stole it (measured: retrace "other" time 2.7x, see README).
+    # same cores, and spinning ORT workers stole it (measured: retrace "other" time 2.7x, docs/bench/decode-context.md).
     # RETRACE_ORT_SPINNING=1 turns it back on (measured at the Qwen3-0.6B shape, 2 cores: the loop then ran
     # 1.6x slower at batch 1 and 1.3x at batch 4, although a lone target call got ~10% faster).
     spin = os.environ.get("RETRACE_ORT_SPINNING", "0").strip().lower() in ("1", "true", "yes")

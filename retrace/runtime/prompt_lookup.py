@@ -14,9 +14,8 @@ round verifies the K that maximises (N + sum over rows of a + ... + a^min(L_i, K
 being row i's proposal length; K = 0 is a plain decoding step (a policy without a cost model verifies every
 proposal whole). Greedy rows only: a sampling row takes no lookup tokens (verified 0). Rounds of more
 than `max_rows` rows (default 1) take none: at the Qwen3-0.6B shape on 2 CPU cores lookup won at batch 1
-(1.05x onnxruntime-genai's n-gram speculation) but lost 8-11% to plain decoding with 4 rows, in closed
-batches and under continuous batching alike (benchmarks/continuous_batch.py), the estimate above being too
-optimistic there.
+but lost to plain decoding with 4 rows, the estimate above being too optimistic there
+(docs/bench/prompt-lookup.md).
 """
 
 from __future__ import annotations

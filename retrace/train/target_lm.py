@@ -7,10 +7,9 @@ same checkpoint format as a real Qwen3 target, only smaller.
 Training: documents are joined with ``<|endoftext|>`` into one token stream, cut into non-overlapping
 windows of ``seq_len + 1`` tokens at a random offset per epoch and read in a seeded random order;
 AdamW (weight decay on the linear weights only: embeddings and norms are not decayed), linear warmup
-then cosine decay, gradient clipping, fp32 (bf16 autocast is an option: about 2x faster than fp32 on
-AMX machines, 3x slower on the AMD EPYC measured in session 4, and its oneDNN kernels differ per CPU, see
-retrace.train.numerics).  Deterministic for a given seed; bit-identical across machines under
-numerics.PORTABLE_ENV.
+then cosine decay, gradient clipping, fp32 (bf16 autocast is an option; its oneDNN kernels differ per CPU,
+see retrace.train.numerics; speeds: docs/bench/zoo.md).  Deterministic for a given seed; bit-identical
+across machines under numerics.PORTABLE_ENV.
 
 The untrained special rows (``<|pad|>`` and the DFlash ``<|mask|>``) of the input embedding never receive
 a gradient; since embeddings are excluded from weight decay they keep their (tiny) init.  After

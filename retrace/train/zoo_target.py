@@ -21,10 +21,8 @@ half-finished build never looks valid); a build replaces ``target/``, ``prompts/
 
 Sizing of the ``small`` target (2 CPU cores, fp32): hidden 256, 4 layers, SwiGLU 768, 4 query
 heads x head_dim 64 with 2 KV heads (GQA 2:1), untied embeddings, vocab 2048, trained at context 512 for
-950 steps of 8 x 512 tokens (~1.6 epochs of the stdlib train split), torch.compile'd. Measured on an idle
-2-core machine: eager, 1100 steps took 589 s (held-out ppl 26.3) and made the whole `zoo tiny --size small`
-17.5 minutes; 750 eager steps fit the budget but gave ppl 33.2 and a target that loops within a line
-(greedy "_name, _name, _name, ..."). Compiled steps are ~1.4x faster, which buys the steps back.
+950 steps of 8 x 512 tokens (~1.6 epochs of the stdlib train split), torch.compile'd. How that size was
+chosen (timings of fewer and more steps): docs/bench/zoo.md.
 """
 
 from __future__ import annotations
