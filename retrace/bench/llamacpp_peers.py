@@ -56,7 +56,7 @@ def _converter() -> Path:
 
 def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path:
     """The target as GGUF `gguf_type` in the cache (f16 conversion, then llama_model_quantize), once."""
-    from retrace.bench.builds import dir_digest
+    from retrace.digest import dir_digest
 
     llama_cpp = _llama_cpp()
     root = cache / f"gguf-{dir_digest(target_dir, extra=llama_cpp.__version__)}"

@@ -55,7 +55,7 @@ def find_draft_ar(cfg, cache: Path, log) -> Path:
     data = zoo / "data" / "train_prompts.jsonl"
     if not data.is_file():
         raise RetraceError("no AR draft model: give --draft-ar DIR or build one with `retrace zoo draft-ar --from ZOO`")
-    from retrace.bench.builds import dir_digest
+    from retrace.digest import dir_digest
     from retrace.train.draft_ar import DraftArConfig, train_draft_ar
 
     out = cache / f"draft-ar-{dir_digest(cfg.target)}"

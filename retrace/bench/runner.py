@@ -426,7 +426,7 @@ def _build(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: int, log
 
         cache = default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    from retrace.bench.builds import dir_digest
+    from retrace.digest import dir_digest
 
     conf = {k: v for k, v in asdict(cfg).items() if k not in ("extra",)}
     request = {"op": "build", "config": conf, "max_seq_len": max_seq_len, "max_batch": max_batch,
