@@ -27,9 +27,9 @@ from starlette.exceptions import HTTPException
 from retrace.cli_checks import is_text
 from retrace.errors import RetraceError
 from retrace.request_validation import InvalidParameter, check_prompt_text
-from retrace.runtime.engine import Engine
-from retrace.runtime.engine_handle import EngineClosed, EngineFailure, EngineFull, Handle, RequestRejected
 from retrace.runtime.sampling import SamplingParams
+from retrace.runtime.serving_engine import Engine
+from retrace.runtime.serving_handle import EngineClosed, EngineFailure, EngineFull, Handle, RequestRejected
 from retrace.serve.chat import ChatTemplate
 from retrace.serve.limits import BodyLimit, ServeLimits
 from retrace.serve.offload import off_loop

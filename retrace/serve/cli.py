@@ -47,7 +47,7 @@ def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, 
         from retrace.serve.app import Service, create_app
     except ImportError as e:
         raise MissingDependencyError(f"retrace serve needs the 'serve' extra (pip install 'retrace[serve]'): {e}") from None
-    from retrace.runtime.engine import Engine
+    from retrace.runtime.serving_engine import Engine
     from retrace.serve.chat import ChatTemplate
 
     check_finite(drain_timeout, "--drain-timeout", low=0.0)

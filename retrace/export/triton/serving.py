@@ -1,4 +1,4 @@
-"""The serving loop behind the Triton model: a thin adapter over the one engine (retrace/runtime/engine.py).
+"""The serving loop behind the Triton model: a thin adapter over the one engine (retrace/runtime/serving_engine.py).
 
 Nothing here imports Triton; ``model.py`` (the python-backend model) feeds validated requests in and
 wraps each request's response sender in a :class:`Sink`. :class:`ServingLoop` tokenizes and checks each
@@ -34,8 +34,8 @@ from typing import Any, Protocol
 
 from retrace.errors import RetraceError
 from retrace.export.triton.validation import Limits, RequestSpec
-from retrace.runtime.engine import Engine
-from retrace.runtime.engine_handle import EngineClosed, EngineFull, Handle, RequestCancelled, RequestRejected
+from retrace.runtime.serving_engine import Engine
+from retrace.runtime.serving_handle import EngineClosed, EngineFull, Handle, RequestCancelled, RequestRejected
 
 DEFAULT_BACKEND = "onnxruntime"
 
@@ -201,7 +201,7 @@ _ERROR_KINDS = ((RequestCancelled, "the request was cancelled", "cancelled"),
 
 
 class ServingLoop:
-    """Serves Triton jobs on the one engine (retrace/runtime/engine.py); see the module docstring."""
+    """Serves Triton jobs on the one engine (retrace/runtime/serving_engine.py); see the module docstring."""
 
     def __init__(
         self,

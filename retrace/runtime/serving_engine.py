@@ -26,7 +26,7 @@ from typing import Any
 
 from retrace.errors import RetraceError
 from retrace.request_validation import check_prompt_text
-from retrace.runtime.engine_handle import (
+from retrace.runtime.serving_handle import (
     EngineClosed,
     EngineFailure,
     EngineFull,
