@@ -139,3 +139,11 @@ def test_hard_shutdown_fails_in_flight(world):
             h.result(0)
         with pytest.raises(EngineClosed):
             list(h)
+
+
+def test_engine_is_the_embedding_api_name_of_the_serving_engine():
+    """`Engine` (README's embedding API) and `ServingEngine` (what the package calls it) are one class."""
+    from retrace.runtime import Engine as Exported
+    from retrace.runtime import ServingEngine
+
+    assert Exported is Engine is ServingEngine
