@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from retrace.errors import RetraceError
 from retrace.runtime.modes import MODES
@@ -51,6 +52,14 @@ class BenchConfig:
     compile_steps: bool = False  # the torch backend's steps under torch.compile
     command: str = ""
     extra: dict = field(default_factory=dict)
+
+    def cache(self) -> Path:
+        """The build cache (--cache-dir, else retrace.bench.builds.default_cache_dir()), created."""
+        from retrace.bench.builds import default_cache_dir
+
+        cache = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+        cache.mkdir(parents=True, exist_ok=True)
+        return cache
 
     def validate(self) -> None:
         if self.max_new_tokens < 2:

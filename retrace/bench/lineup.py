@@ -84,12 +84,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
     import torch
 
     built = Built()
-    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
-    if cache is None:
-        from retrace.bench.builds import default_cache_dir
-
-        cache = default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = cfg.cache()
     torch.set_num_threads(threads)
 
     # ours, torch backend

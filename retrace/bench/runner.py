@@ -143,12 +143,7 @@ def _build(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: int, log
         for s in built.systems:
             s.env = in_process_env(threads)
         return built
-    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
-    if cache is None:
-        from retrace.bench.builds import default_cache_dir
-
-        cache = default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = cfg.cache()
     from retrace.digest import dir_digest
 
     conf = {k: v for k, v in asdict(cfg).items() if k not in ("extra",)}
