@@ -3,8 +3,8 @@
 - ``"ar"``: the target alone, one token per target call (autoregressive); no drafter needed. The reference:
   at temperature 0 every other mode gives exactly its tokens.
 - ``"dflash"``: DFlash speculative decoding: each round the drafter proposes a block after the anchor (the
-  last committed token) from the target's hidden features, the target verifies the block in one call and the
-  longest accepted prefix plus one target token is committed. Needs a drafter.
+  last committed token) from the target's hidden features, the target verifies the block in one call, and
+  the drafts it accepts plus one token of its own are committed. Needs a drafter.
 - ``"retrace"``: dflash whose drafter is also conditioned on the rejected suffix of the previous round (the
   ReTrace conditioner, retrace.models.conditioner). Needs a drafter with a conditioner.
 
