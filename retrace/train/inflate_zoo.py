@@ -52,7 +52,8 @@ def _source_files(zoo: Path) -> list[Path]:
 def inflate_key(zoo: Path, shape: dict, seed: int, checks: dict) -> dict:
     from retrace.train.zoo import _versions
 
-    return {"inflate_version": INFLATE_VERSION, "source_sha256": sha256_named_files((p.name, p) for p in _source_files(zoo)), "shape": shape,
+    source = sha256_named_files((p.name, p) for p in _source_files(zoo))
+    return {"inflate_version": INFLATE_VERSION, "source_sha256": source, "shape": shape,
             "seed": int(seed), "checks": checks, "versions": _versions()}
 
 
