@@ -76,7 +76,7 @@ def breakdown(engine: Path, max_batch: int, max_seq_len: int) -> dict:
     """Bytes of each part: the target graph's weights, the drafter's shared embedding / LM head (what it
     would hold as its own copy), its own layers and its conditioner, and both KV caches as the backend
     allocates them ([2L, max_batch, Hkv, max_seq_len, hd] each)."""
-    from retrace.bundle import Bundle
+    from retrace.engines.bundle import Bundle
 
     b = Bundle.open(engine, verify_hashes=False)
     dtype_bytes = {"float32": 4, "float16": 2}[b.dtype]

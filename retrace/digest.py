@@ -2,7 +2,7 @@
 
 - `sha256_file(path)`: one file's hex digest (what `sha256sum` prints);
 - `sha256_pieces(path, piece)`: that and the digest of each `piece`-byte piece, in one read (an engine
-  bundle's large files, retrace.bundle.hash_files, verified piece by piece on all cores);
+  bundle's large files, retrace.engines.bundle.hash_files, verified piece by piece on all cores);
 - `sha256_range(path, start, length)`: the digest of one such piece;
 - `sha256_named_files(files, prefix)`: one digest over the name and contents of each (name, path) in order,
   after `prefix`: a content key for a set of files (a data directory, a zoo's sources);

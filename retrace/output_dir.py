@@ -61,7 +61,7 @@ def owner(path: str | Path) -> str | None:
 
 
 def write_marker(path: str | Path, kind: str) -> None:
-    from retrace.bundle import retrace_version
+    from retrace.engines.bundle import retrace_version
 
     info = {"kind": kind, "written_by": f"retrace {retrace_version()}",
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

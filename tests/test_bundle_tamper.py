@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from retrace.bundle import Bundle, BundleError, manifest_digest, write_manifest
+from retrace.engines.bundle import Bundle, BundleError, manifest_digest, write_manifest
 from retrace.export.cli import main as export_main
 
 

@@ -220,7 +220,7 @@ def test_torch_head_is_the_full_heads_rows(world):
 
 
 def test_bundle_records_the_map_and_ort_head_matches_torch(world):
-    from retrace.bundle import Bundle
+    from retrace.engines.bundle import Bundle
     from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     b = Bundle.open(world["bundle"])
@@ -309,7 +309,7 @@ def test_bad_map_in_a_drafter_or_bundle_is_refused(world, tmp_path):
     b = tmp_path / "bundle"
     shutil.copytree(world["bundle"], b)
     m = json.loads((b / "manifest.json").read_text())
-    from retrace.bundle import Bundle, write_manifest
+    from retrace.engines.bundle import Bundle, write_manifest
     from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     for entry in ({"size": 3}, {"dir": "../.."}):

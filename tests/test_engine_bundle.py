@@ -1,4 +1,4 @@
-"""The engine bundle format (retrace.bundle): manifest, sha256 of every file, verification, refusals.
+"""The engine bundle format (retrace.engines): manifest, sha256 of every file, verification, refusals.
 
 Fast: synthetic bundles, no export. The ONNX Runtime backend's refusals are checked on the session's real
 bundle (tests/export_fixtures.py) at the end.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from retrace.bundle import (
+from retrace.engines import (
     FORMAT,
     FORMAT_VERSION,
     Bundle,
@@ -77,7 +77,7 @@ def test_large_files_verify_piece_by_piece(tmp_path, monkeypatch):
     byte is still covered, and the whole-file sha256 stays in the manifest."""
     import hashlib
 
-    import retrace.bundle as bundle_mod
+    from retrace.engines import bundle as bundle_mod
 
     monkeypatch.setattr(bundle_mod, "PIECE", 4096)
     b = fake_bundle(tmp_path / "b")  # model.onnx.data: 16384 bytes -> 4 pieces

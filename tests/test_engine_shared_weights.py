@@ -13,7 +13,7 @@ import pytest
 import torch
 from export_fixtures import BLOCK, copy_bundle, pair_and_bundle
 
-from retrace.bundle import BundleError
+from retrace.engines.bundle import BundleError
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
@@ -26,7 +26,7 @@ def _manifest(bundle: Path) -> dict:
 
 def _save_manifest(bundle: Path, m: dict) -> None:
     """An edited manifest with its self-hash renewed, as an older or a hand-made bundle would carry it."""
-    from retrace.bundle import manifest_digest
+    from retrace.engines.bundle import manifest_digest
 
     m["manifest_sha256"] = manifest_digest(m)
     (bundle / "manifest.json").write_text(json.dumps(m))

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, copy_bundle, pair_and_bundle
 
-from retrace.bundle import Bundle, read_manifest
+from retrace.engines import Bundle, read_manifest
 from retrace.export import build as build_mod
 from retrace.export.cli import main
 from retrace.export.onnx_export import census

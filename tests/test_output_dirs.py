@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from retrace.bundle import is_complete_bundle, write_manifest
+from retrace.engines.bundle import is_complete_bundle, write_manifest
 from retrace.output_dir import (
     MARKER,
     OutputDirError,

@@ -163,7 +163,7 @@ def test_int8_graphs_of_the_session_bundle_decode_like_their_own_ar(tmp_path):
     LM head in the graphs or in its own session, gives the int8 target's own greedy tokens."""
     from export_fixtures import copy_bundle
 
-    from retrace.bundle import write_manifest
+    from retrace.engines.bundle import write_manifest
     from retrace.export.quantize import WeightQuant, quantize_graph
     from retrace.runtime.shared_weights import shared_pairs
 

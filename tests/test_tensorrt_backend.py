@@ -295,7 +295,7 @@ def test_from_bundle_reads_the_configs_from_the_manifest(monkeypatch, tmp_path):
     backend takes the configs from the manifest, as the ONNX Runtime backend does."""
     from export_fixtures import pair_and_bundle
 
-    from retrace.bundle import Bundle
+    from retrace.engines.bundle import Bundle
     from retrace.runtime.bundle_configs import bundle_configs
 
     built = pair_and_bundle()

@@ -10,8 +10,8 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from retrace.bundle import manifest_digest
 from retrace.cli import main
+from retrace.engines.bundle import manifest_digest
 from retrace.output_dir import OutputDirError
 from retrace.train import zoo_release
 from retrace.train.zoo_release import ZooReleaseError

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrace.bundle import FORMAT, is_complete_bundle, retrace_version, write_manifest
+from retrace.engines.bundle import FORMAT, is_complete_bundle, retrace_version, write_manifest
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.output_dir import check_output, staged_output
 

@@ -191,7 +191,7 @@ def inspect(bundle: Path, as_json: bool, quick: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from retrace.bundle import check_files, manifest_problems, read_manifest
+    from retrace.engines.bundle import check_files, manifest_problems, read_manifest
 
     m = read_manifest(bundle)
     checks = check_files(bundle, m, full=not quick)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from retrace.bundle import Bundle, BundleError
+from retrace.engines.bundle import Bundle, BundleError
 from retrace.models.config import DrafterConfig, Qwen3Config
 
 

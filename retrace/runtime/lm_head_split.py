@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retrace.bundle import BundleError
+from retrace.engines.bundle import BundleError
 from retrace.runtime.graph_prune import prune
 from retrace.runtime.head_graph import HeadGraph
 from retrace.runtime.lm_head_nbits import nbits_head_model, rewrite_nbits_head

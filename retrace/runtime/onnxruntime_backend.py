@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from retrace.bundle import Bundle, BundleError, _inside
+from retrace.engines.bundle import Bundle, BundleError, _inside
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.draft_vocab import DraftVocab
 from retrace.models.drafter import SuffixInputs

@@ -15,7 +15,7 @@ The engine owns the runtime's scheduler: while it runs, do not call the runtime'
 The runtime is duck-typed (``scheduler()`` with add/step/cancel, ``codec``, ``backend.max_batch``), so
 the Triton model's stand-in runtime runs on the same engine (retrace/export/triton/serving.py).
 
-"Engine" alone means three things in this project: an engine bundle (retrace.bundle, the
+"Engine" alone means three things in this project: an engine bundle (retrace.engines.bundle, the
 `--engine` directory), this serving engine, and a TensorRT engine (a `.plan`, retrace.export.tensorrt).
 This class is `ServingEngine`; `Engine` is the same class under the name the embedding API documents
 (`from retrace.runtime import Engine`).

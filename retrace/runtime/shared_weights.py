@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrace.bundle import Bundle, BundleError
+from retrace.engines.bundle import Bundle, BundleError
 
 SHARED_PREFIX = "shared_target."
 TARGET_PREFIX = "target."

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from retrace.bundle import Bundle
+from retrace.engines.bundle import Bundle
 from retrace.errors import RetraceError
 from retrace.models.config import DrafterConfig, Qwen3Config
 from retrace.plugins.errors import RetraceMissingDependency, require_tensorrt

@@ -28,7 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from retrace.bundle import check_files, describe_check, hash_files, manifest_digest
+from retrace.engines.bundle import check_files, describe_check, hash_files, manifest_digest
 from retrace.errors import RetraceError
 from retrace.output_dir import check_output, staged_output
 

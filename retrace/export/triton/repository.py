@@ -164,7 +164,7 @@ def write_repository(
         check_output(out, **ownership)
     except OutputDirError as e:
         raise RepositoryError(str(e)) from None
-    from retrace.bundle import FORMAT, verify
+    from retrace.engines.bundle import FORMAT, verify
 
     if copy_bundle and fmt == FORMAT:  # the copy must be what was built: refuse a bundle that does not verify
         try:  # (other formats: test stand-ins, served by runtime_factory; the real runtime refuses them)
