@@ -38,10 +38,10 @@ from onnx_attention import random_pair  # noqa: E402
 
 from retrace.export.build import BuildOptions, build_bundle  # noqa: E402
 from retrace.runtime import Runtime, SamplingParams  # noqa: E402
+from retrace.runtime.modes import MODES  # noqa: E402
 from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
 from retrace.runtime.torch_backend import TorchBackend  # noqa: E402
 
-MODES = ("ar", "dflash", "retrace")
 ZOO = Path(__file__).resolve().parents[1] / "zoo-small-target-check"
 MAX_SEQ = 2048
 

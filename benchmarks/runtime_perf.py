@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.modes import MODES
 from retrace.runtime.tokenizer import TextCodec
 from retrace.runtime.torch_backend import TorchBackend
 
-MODES = ("ar", "dflash", "retrace")
 DEFAULT_ZOO = Path(__file__).resolve().parents[1] / "zoo-small-target-check"
 
 

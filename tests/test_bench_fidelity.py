@@ -9,8 +9,9 @@ import json
 import pytest
 from test_bench_run import bench, entry, write_bench_pair
 
+from retrace.bench.analysis import _committed, fidelity
 from retrace.bench.prompts import load_prompts
-from retrace.bench.runner import _committed, _order, fidelity
+from retrace.bench.runner import _order
 from retrace.bench.systems import RunOut, count_dflash_rounds
 from retrace.errors import RetraceError
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from retrace.bench import precision
-from retrace.bench.runner import BenchConfig, Built, _retrace_names
+from retrace.bench.config import BenchConfig
+from retrace.bench.lineup import Built, _retrace_names
 from retrace.errors import RetraceError
 
 

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from helpers import patch_json, write_drafter, write_target
 
-from retrace.bench.runner import PEERS
+from retrace.bench.config import PEERS
 from retrace.cli import main
 
 N = 6

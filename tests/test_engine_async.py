@@ -1,4 +1,4 @@
-"""The engine (retrace/runtime/engine.py) embedded in an asyncio app, no HTTP: 32 concurrent requests
+"""The engine (retrace/runtime/serving_engine.py) embedded in an asyncio app, no HTTP: 32 concurrent requests
 (streamed with `async for` or awaited whole) decode exactly what the offline `Runtime.generate` does, batched
 together; cancellation frees the slot; back-pressure, bad requests, drain and hard shutdown."""
 
@@ -13,8 +13,8 @@ from export_fixtures import MAX_BATCH, VOCAB, pair_and_bundle
 from runtime_fixtures import single_thread, words
 
 from retrace.runtime import Runtime, SamplingParams
-from retrace.runtime.engine import Engine
-from retrace.runtime.engine_handle import EngineClosed, EngineFull, RequestCancelled, RequestRejected
+from retrace.runtime.serving_engine import Engine
+from retrace.runtime.serving_handle import EngineClosed, EngineFull, RequestCancelled, RequestRejected
 
 N = 32
 MAX_NEW = 12
@@ -139,3 +139,11 @@ def test_hard_shutdown_fails_in_flight(world):
             h.result(0)
         with pytest.raises(EngineClosed):
             list(h)
+
+
+def test_engine_is_the_embedding_api_name_of_the_serving_engine():
+    """`Engine` (README's embedding API) and `ServingEngine` (what the package calls it) are one class."""
+    from retrace.runtime import Engine as Exported
+    from retrace.runtime import ServingEngine
+
+    assert Exported is Engine is ServingEngine

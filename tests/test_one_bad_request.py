@@ -21,8 +21,8 @@ from triton_fixtures import FakeSink
 
 from retrace.request_validation import TEMPERATURE_FLOOR, InvalidParameter, check_prompt_text
 from retrace.runtime import Runtime, SamplingParams
-from retrace.runtime.engine import Engine
-from retrace.runtime.engine_handle import RequestRejected
+from retrace.runtime.serving_engine import Engine
+from retrace.runtime.serving_handle import RequestRejected
 
 MARKER = 5  # prompts starting with this token are poisoned
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)

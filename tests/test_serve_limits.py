@@ -26,7 +26,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import retrace.cli  # noqa: E402, F401  (before retrace.serve.cli: their import cycle starts here)
 from retrace.errors import RetraceError  # noqa: E402
 from retrace.runtime import Runtime, SamplingParams  # noqa: E402
-from retrace.runtime.engine import Engine  # noqa: E402
+from retrace.runtime.serving_engine import Engine  # noqa: E402
 from retrace.serve.app import Service, create_app  # noqa: E402
 from retrace.serve.chat import ChatTemplate  # noqa: E402
 from retrace.serve.cli import _server_class  # noqa: E402

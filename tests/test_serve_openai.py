@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from retrace.runtime import Runtime, SamplingParams  # noqa: E402
-from retrace.runtime.engine import Engine  # noqa: E402
+from retrace.runtime.serving_engine import Engine  # noqa: E402
 from retrace.serve.app import Service, create_app  # noqa: E402
 from retrace.serve.chat import ChatTemplate  # noqa: E402
 

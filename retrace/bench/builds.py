@@ -7,7 +7,6 @@ unchanged one is reused across benchmark runs.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -18,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from retrace.digest import dir_digest
 from retrace.errors import MissingDependencyError, RetraceError
 
 TOKENIZER_FILES = ("tokenizer.json",)  # the builder writes tokenizer_config.json itself
@@ -26,20 +26,6 @@ TOKENIZER_FILES = ("tokenizer.json",)  # the builder writes tokenizer_config.jso
 def default_cache_dir() -> Path:
     base = os.environ.get("RETRACE_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "retrace" / "bench"
-
-
-def dir_digest(*dirs: str | Path, extra: str = "") -> str:
-    """sha256 over the names and contents of the JSON and weight files of the given directories."""
-    h = hashlib.sha256(extra.encode())
-    for d in dirs:
-        d = Path(d)
-        for f in sorted(d.iterdir()):
-            if f.is_file() and f.suffix in (".json", ".safetensors"):
-                h.update(f.name.encode())
-                with f.open("rb") as fh:
-                    for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                        h.update(block)
-    return h.hexdigest()[:16]
 
 
 def _run(cmd: list[str], what: str, log: Path) -> float:

@@ -78,8 +78,9 @@ def bench_command(*, target, drafter, engine, prompts, max_new_tokens, batch_siz
             raise RetraceError(f"{what} {d}: not a directory")
     if engine is not None and not Path(engine).is_dir():
         raise RetraceError(f"--engine {engine}: not a directory")
+    from retrace.bench.config import BenchConfig
     from retrace.bench.precision import parse as parse_weights
-    from retrace.bench.runner import BenchConfig, run_and_report
+    from retrace.bench.runner import run_and_report
 
     pats = tuple(p.strip() for p in systems.split(",") if p.strip()) if systems else None
     cfg = BenchConfig(target=target, drafter=drafter, prompts=list(prompts), engine=engine,

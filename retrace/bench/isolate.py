@@ -14,8 +14,8 @@ from retrace.errors import RetraceError
 
 def group_wanted(group: str, wanted: tuple[str, ...] | None) -> bool:
     """Whether any of the user's --systems patterns can select a system of the group."""
+    from retrace.bench.config import BACKENDS, MODES, ORTGENAI_SPEC
     from retrace.bench.llamacpp_peers import LLAMACPP_MODES
-    from retrace.bench.runner import BACKENDS, MODES, ORTGENAI_SPEC
 
     known = {"hf": ("hf-ar", "hf-dflash"), "ortgenai": ("ortgenai-ar", *ORTGENAI_SPEC),
              "llamacpp": tuple(f"llamacpp-{m}" for m in LLAMACPP_MODES),

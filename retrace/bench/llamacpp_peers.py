@@ -56,7 +56,7 @@ def _converter() -> Path:
 
 def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path:
     """The target as GGUF `gguf_type` in the cache (f16 conversion, then llama_model_quantize), once."""
-    from retrace.bench.builds import dir_digest
+    from retrace.digest import dir_digest
 
     llama_cpp = _llama_cpp()
     root = cache / f"gguf-{dir_digest(target_dir, extra=llama_cpp.__version__)}"
@@ -122,9 +122,9 @@ class LlamaCppSystem(System):
 
 
 def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, log) -> None:
+    from retrace.bench.config import wanted
     from retrace.bench.ortgenai_peers import TUNE_TOKENS, measure_best
     from retrace.bench.precision import llamacpp_type
-    from retrace.bench.runner import _wanted
 
     n_ctx, seen = 4096, set()
     for weights in cfg.weights:
@@ -133,7 +133,7 @@ def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
             continue
         seen.add(gtype)
         names = [f"llamacpp-{m}-{gtype.lower()}" for m in LLAMACPP_MODES]
-        names = [nm for nm in names if _wanted(nm, cfg.systems)]
+        names = [nm for nm in names if wanted(nm, cfg.systems)]
         if not names:
             continue
         try:

@@ -55,7 +55,7 @@ def find_draft_ar(cfg, cache: Path, log) -> Path:
     data = zoo / "data" / "train_prompts.jsonl"
     if not data.is_file():
         raise RetraceError("no AR draft model: give --draft-ar DIR or build one with `retrace zoo draft-ar --from ZOO`")
-    from retrace.bench.builds import dir_digest
+    from retrace.digest import dir_digest
     from retrace.train.draft_ar import DraftArConfig, train_draft_ar
 
     out = cache / f"draft-ar-{dir_digest(cfg.target)}"
@@ -68,12 +68,12 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
     """The ortgenai-* systems on its builder's model at `precision` (retrace.bench.precision: int4 / int8
     names end in -int4 etc.; the draft model is built at the same precision)."""
     from retrace.bench.builds import build_genai_draft_model, build_genai_model
+    from retrace.bench.config import wanted
     from retrace.bench.precision import suffix
-    from retrace.bench.runner import _wanted
     from retrace.bench.systems import OrtGenaiSystem
 
     sfx = suffix(precision)
-    names = [n for n in ("ortgenai-ar", "ortgenai-ngram", "ortgenai-ngram-adaptive") if _wanted(n + sfx, cfg.systems)]
+    names = [n for n in ("ortgenai-ar", "ortgenai-ngram", "ortgenai-ngram-adaptive") if wanted(n + sfx, cfg.systems)]
     tune = [p for p in (tune_prompts or [])[:2]]
     n = min(TUNE_TOKENS, cfg.max_new_tokens)
     if names:
@@ -106,7 +106,7 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
         except (RetraceError, ImportError, RuntimeError) as e:
             built.skip([n_ + sfx for n_ in names], str(e).splitlines()[0])
 
-    dnames = [n_ for n_ in ("ortgenai-draft", "ortgenai-draft-adaptive") if _wanted(n_ + sfx, cfg.systems)]
+    dnames = [n_ for n_ in ("ortgenai-draft", "ortgenai-draft-adaptive") if wanted(n_ + sfx, cfg.systems)]
     if dnames:
         try:
             if not tune:

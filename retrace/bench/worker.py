@@ -25,7 +25,9 @@ from retrace.errors import RetraceError
 
 # ----------------------------------------------------------------------------------------------- worker side
 def _serve(inp, out) -> None:
-    from retrace.bench import runner
+    from retrace.bench.config import BenchConfig
+    from retrace.bench.lineup import build_systems
+    from retrace.bench.profiling import profile_run
 
     built = None
     cfg = None
@@ -34,9 +36,9 @@ def _serve(inp, out) -> None:
         op = req.get("op")
         try:
             if op == "build":
-                fields = {f.name for f in dataclasses.fields(runner.BenchConfig)}
-                cfg = runner.BenchConfig(**{k: v for k, v in req["config"].items() if k in fields})
-                built = runner.build_systems(cfg, req["threads"], req["max_seq_len"], req["max_batch"], lambda m: None,
+                fields = {f.name for f in dataclasses.fields(BenchConfig)}
+                cfg = BenchConfig(**{k: v for k, v in req["config"].items() if k in fields})
+                built = build_systems(cfg, req["threads"], req["max_seq_len"], req["max_batch"], lambda m: None,
                                              bundle_seq_len=req.get("bundle_seq_len"),
                                              tune_prompts=req.get("tune_prompts"), groups=(req["group"],))
                 reply = {"systems": [{"name": s.name, "family": s.family, "backend": s.backend, "mode": s.mode,
@@ -50,7 +52,7 @@ def _serve(inp, out) -> None:
                 r = s.run(req["prompts"], req["n"], req["batch_size"])
                 reply = {"run": dataclasses.asdict(r)}
             elif op == "profile":
-                reply = {"profile": runner._profile(req["path"], [s for s in built.systems if s.name == req["name"]],
+                reply = {"profile": profile_run(req["path"], [s for s in built.systems if s.name == req["name"]],
                                                     req["prompts"], req["n"], lambda m: None)}
             elif op == "close":
                 for s in built.systems if built else []:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from retrace.digest import sha256_file, sha256_pieces, sha256_range
 from retrace.errors import RetraceError
 
 MANIFEST = "manifest.json"
@@ -31,7 +32,6 @@ OWNER_MARKER = ".retrace-output.json"  # retrace.output_dir.MARKER: not part of 
 FORMAT = "retrace-engine-bundle"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-_CHUNK = 8 << 20  # read size
 # Files larger than this also record the sha256 of each PIECE-sized piece, so that loading can verify one
 # large weights file on all cores at once (the whole-file sha256 stays, for humans and sha256sum).
 PIECE = 64 << 20
@@ -48,48 +48,6 @@ def retrace_version() -> str:
         return version("retrace")
     except Exception:  # noqa: BLE001 - not installed as a distribution (plain checkout)
         return "unknown"
-
-
-def sha256_file(path: str | Path) -> str:
-    return _digest_file(path)[0]
-
-
-def _digest_file(path: str | Path, chunk_size: int | None = None) -> tuple[str, list[str]]:
-    """sha256 of the whole file and, when chunk_size is given, of each chunk_size piece (one read)."""
-    whole = hashlib.sha256()
-    chunks: list[str] = []
-    piece = hashlib.sha256() if chunk_size else None
-    in_piece = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            data = view[:n]
-            whole.update(data)  # hashlib releases the GIL on large updates: files hash in parallel
-            while piece is not None and len(data):
-                take = min(len(data), chunk_size - in_piece)
-                piece.update(data[:take])
-                in_piece += take
-                data = data[take:]
-                if in_piece == chunk_size:
-                    chunks.append(piece.hexdigest())
-                    piece, in_piece = hashlib.sha256(), 0
-    if piece is not None and in_piece:
-        chunks.append(piece.hexdigest())
-    return whole.hexdigest(), chunks
-
-
-def _digest_range(path: Path, start: int, length: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        buf = bytearray(min(_CHUNK, max(length, 1)))
-        view = memoryview(buf)
-        left = length
-        while left and (n := f.readinto(view[: min(len(buf), left)])):
-            h.update(view[:n])
-            left -= n
-    return h.hexdigest()
 
 
 def _workers(n_items: int) -> int:
@@ -116,7 +74,7 @@ def hash_files(root: str | Path, rel_paths: list[str]) -> dict[str, dict]:
     def one(rel: str) -> dict:
         size = (root / rel).stat().st_size
         big = size > PIECE
-        whole, chunks = _digest_file(root / rel, PIECE if big else None)
+        whole, chunks = sha256_pieces(root / rel, PIECE) if big else (sha256_file(root / rel), [])
         entry = {"sha256": whole, "size": size}
         if big:
             entry.update(chunk_size=PIECE, chunks=chunks)
@@ -308,7 +266,7 @@ def _verify_digests(root: Path, entries: dict[str, dict]) -> dict[str, FileCheck
 
     def run(job):
         rel, i, start, length, _ = job
-        return sha256_file(root / rel) if i is None else _digest_range(root / rel, start, length)
+        return sha256_file(root / rel) if i is None else sha256_range(root / rel, start, length)
 
     with ThreadPoolExecutor(_workers(len(jobs))) as ex:
         got = list(ex.map(run, jobs))

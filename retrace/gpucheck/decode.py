@@ -14,8 +14,6 @@ from retrace.runtime.tokenizer import TextCodec
 from retrace.train import common as cm
 from retrace.train.rollout import make_backend
 
-MODES = ("ar", "dflash", "retrace")
-
 
 def held_out_prompts(zoo: Path, n: int) -> list[list[int]]:
     """The first `n` held-out code prompts of a zoo, as token ids."""

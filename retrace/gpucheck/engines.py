@@ -16,6 +16,7 @@ import torch
 from retrace.gpucheck import decode
 from retrace.gpucheck.parity import compare
 from retrace.gpucheck.record import log
+from retrace.runtime.modes import MODES
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -70,7 +71,7 @@ def _against_torch(result: dict, rt, zoo: Path, dtype: str, prompts: list[list[i
 
 
 def _run(result: dict, engine: str, make_runtime, zoo: Path, reference: Path, work: Path, device: torch.device,
-         dtypes, n_prompts: int, max_new: int, backend: str, attention: str, modes=decode.MODES) -> None:
+         dtypes, n_prompts: int, max_new: int, backend: str, attention: str, modes=MODES) -> None:
     import json
 
     prompts = json.loads(Path(reference).read_text())["prompts"][:n_prompts]
@@ -113,7 +114,7 @@ def run_ort_cuda(result: dict, zoo: Path, reference: Path, work: Path, device: t
     # dry run: fp32, retrace only (it drives both graphs and the conditioner), 2 prompts x 8 tokens
     _run(result, "onnxruntime", lambda b: Runtime.from_bundle(b, providers=providers), zoo, reference, work,
          device, ("float32",) if dry_run else ("float32", "float16"), 2 if dry_run else 8, 8 if dry_run else 48,
-         "onnxruntime", "native", ("retrace",) if dry_run else decode.MODES)
+         "onnxruntime", "native", ("retrace",) if dry_run else MODES)
 
 
 def run_tensorrt(result: dict, zoo: Path, reference: Path, work: Path, device: torch.device) -> None:

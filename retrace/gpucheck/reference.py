@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from retrace.gpucheck import decode
+from retrace.runtime.modes import MODES
 
 N_PROMPTS = 8
 MAX_NEW_TOKENS = 48
@@ -24,7 +25,7 @@ def build(zoo: Path, n_prompts: int = N_PROMPTS, max_new_tokens: int = MAX_NEW_T
     target, drafter = decode.load(zoo, torch.float32, cpu)
     runs = {}
     for batch in BATCHES:
-        for mode in decode.MODES:
+        for mode in MODES:
             runs[f"{mode}_b{batch}"] = decode.greedy(target, drafter, prompts, mode, batch, max_new_tokens, cpu)
     return {"zoo": str(zoo), "prompts": prompts, "max_new_tokens": max_new_tokens, "dtype": "float32",
             "torch": torch.__version__, "runs": runs}

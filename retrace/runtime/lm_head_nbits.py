@@ -29,11 +29,11 @@ def _head_nodes(g):
 
 def rewrite_nbits_head(m, cut: bool):
     """`m` (a ModelProto, changed in place) with its MatMulNBits head cut off (cut=True) or kept; returns
-    a lm_head_split.HeadGraph, or None when the head is not of that form."""
+    a retrace.runtime.head_graph.HeadGraph, or None when the head is not of that form."""
     from onnx import helper
 
     from retrace.runtime.graph_prune import prune
-    from retrace.runtime.lm_head_split import HeadGraph
+    from retrace.runtime.head_graph import HeadGraph
     from retrace.runtime.shared_weights import tensor_bytes
 
     g = m.graph

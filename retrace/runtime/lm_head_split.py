@@ -15,7 +15,6 @@ benchmarks/lm_head_layouts.py. The bundle is unchanged (the TensorRT backend rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ import torch
 
 from retrace.engines.bundle import BundleError
 from retrace.runtime.graph_prune import prune
+from retrace.runtime.head_graph import HeadGraph
 from retrace.runtime.lm_head_nbits import nbits_head_model, rewrite_nbits_head
 from retrace.runtime.ort_io_binding import ELEMENT_DTYPE, run_bound
 
@@ -35,15 +35,6 @@ EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 # each graph (a packed copy per session and the mapping: at most ~48 MiB more; the 0.6B table's 622 MB
 # that way gave a peak RSS of 4.22 GB against 3.00 GB with the head session)
 LM_HEAD_SESSION_MIN_BYTES = 16 << 20
-
-
-@dataclass
-class HeadGraph:
-    model: bytes  # the rewritten graph (serialized ModelProto; its external data stays on disk)
-    rows: str | None  # cut: its output replacing logits, [R, d] rows in logits order (R = N * K); else None
-    weight: str  # the LM head's [V, d] initializer
-    weight_bytes: int
-    initializers: set[str]  # those the rewritten graph still reads
 
 
 def rewrite_head(path: Path, cut: bool, model=None) -> HeadGraph | None:

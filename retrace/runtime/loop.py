@@ -36,6 +36,7 @@ from retrace.runtime.backend import Backend
 from retrace.runtime.detokenize import IncrementalText
 from retrace.runtime.device import device_of, host_values, index_tensor, read
 from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees, check_budget, parse_sources
+from retrace.runtime.modes import MODES  # re-exported (retrace.runtime.loop.MODES)
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.rejected_trajectory import RejectedTrajectory
 from retrace.runtime.sampling import (
@@ -60,8 +61,6 @@ from retrace.runtime.tree_accept import (
     source_counts,
 )
 from retrace.runtime.verify_policy import FixedPolicy, VerifyPolicy, make_policy
-
-MODES = ("ar", "dflash", "retrace")
 
 
 @dataclass

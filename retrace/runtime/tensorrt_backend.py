@@ -7,7 +7,7 @@ engine. What is tested without it (tests/test_tensorrt_backend.py, with a stand-
 computes on the bound CPU memory): the profile choice, the bindings, the caches, the order of the
 stream work, and the one clear error when tensorrt (or a CUDA GPU) is missing.
 
-Engine directory (default `<bundle>/tensorrt`): `target.plan`, `drafter.plan`, `tensorrt.json`
+TensorRT engine directory (default `<bundle>/tensorrt`): `target.plan`, `drafter.plan`, `tensorrt.json`
 (profiles, I/O names, limits). K/V caches are preallocated on the GPU per slot, [max_batch, Hkv,
 max_seq_len, hd] per layer, indexed by absolute position (docs/INTERFACES.md). A call with a past on
 a contiguous slot range binds those slots' whole caches as the past (`bound_past`: P = max_seq_len,
@@ -75,7 +75,7 @@ def _torch_dtype(trt, dtype) -> torch.dtype:
     return table[dtype]
 
 
-class _Engine:
+class _TensorRTEngine:
     """One deserialized plan with its execution context and its profile table."""
 
     def __init__(self, trt, runtime, plan: Path, info: dict, profiles: list[str], device: torch.device):
@@ -185,7 +185,8 @@ class TensorRTBackend:
         self.block_size = int(limits["block_size"])
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         graphs = manifest["graphs"]
-        self.engines = {g: _Engine(trt, runtime, engine_dir / info["plan"], info, manifest["profiles"], self.device)
+        self.engines = {g: _TensorRTEngine(trt, runtime, engine_dir / info["plan"], info, manifest["profiles"],
+                                           self.device)
                         for g, info in graphs.items()}
         if drafter_config is not None and "drafter" not in self.engines:
             raise RetraceError(f"{engine_dir}: no drafter plan, but a drafter config was given")

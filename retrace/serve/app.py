@@ -27,9 +27,9 @@ from starlette.exceptions import HTTPException
 from retrace.cli_checks import is_text
 from retrace.errors import RetraceError
 from retrace.request_validation import InvalidParameter, check_prompt_text
-from retrace.runtime.engine import Engine
-from retrace.runtime.engine_handle import EngineClosed, EngineFailure, EngineFull, Handle, RequestRejected
 from retrace.runtime.sampling import SamplingParams
+from retrace.runtime.serving_engine import ServingEngine
+from retrace.runtime.serving_handle import EngineClosed, EngineFailure, EngineFull, Handle, RequestRejected
 from retrace.serve.chat import ChatTemplate
 from retrace.serve.limits import BodyLimit, ServeLimits
 from retrace.serve.offload import off_loop
@@ -65,7 +65,7 @@ def api_error(err: Exception) -> ApiError:
 class Service:
     """What the routes share: the engine, the model's name, modes and chat template."""
 
-    def __init__(self, engine: Engine, model: str, chat: ChatTemplate | None = None, drain_s: float = 60.0,
+    def __init__(self, engine: ServingEngine, model: str, chat: ChatTemplate | None = None, drain_s: float = 60.0,
                  limits: ServeLimits | None = None):
         self.engine, self.model, self.chat, self.drain_s = engine, model, chat, drain_s
         self.limits = limits or ServeLimits()

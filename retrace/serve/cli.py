@@ -47,7 +47,7 @@ def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, 
         from retrace.serve.app import Service, create_app
     except ImportError as e:
         raise MissingDependencyError(f"retrace serve needs the 'serve' extra (pip install 'retrace[serve]'): {e}") from None
-    from retrace.runtime.engine import Engine
+    from retrace.runtime.serving_engine import ServingEngine
     from retrace.serve.chat import ChatTemplate
 
     check_finite(drain_timeout, "--drain-timeout", low=0.0)
@@ -62,7 +62,7 @@ def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, 
     name = served_model_name or Path(engine or target).resolve().name
     if not name:
         raise RetraceError("give --served-model-name")
-    svc = Service(Engine(rt, max_queue=max_queue, log=lambda m: click.echo(f"[retrace] {m}", err=True)), name,
+    svc = Service(ServingEngine(rt, max_queue=max_queue, log=lambda m: click.echo(f"[retrace] {m}", err=True)), name,
                   chat, drain_s=drain_timeout,
                   limits=ServeLimits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars))
     click.echo(f"retrace serve: model `{name}` ({rt.backend.name}, max_batch {rt.backend.max_batch}, modes "

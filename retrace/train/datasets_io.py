@@ -15,10 +15,10 @@ the drafter learns the target's own distribution, not the dataset's. Earlier tur
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
+from retrace.digest import sha256_named_files
 from retrace.errors import RetraceError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -110,14 +110,8 @@ def _read_json_lines(p: Path) -> list[dict]:
 def data_sha(path: str | Path) -> str:
     """Content hash of a data file, or of every file of a data directory (names and bytes)."""
     p = Path(path)
-    h = hashlib.sha256()
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-    for f in files:
-        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
-        with f.open("rb") as fh:
-            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
+    return sha256_named_files((str(f.relative_to(p) if p.is_dir() else f.name), f) for f in files)[:16]
 
 
 def _conversation(row: dict, where: str) -> list[dict]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from retrace.digest import sha256_file
 from retrace.errors import RetraceError
 from retrace.models.checkpoint import atomic_write_text
 from retrace.models.config import Qwen3Config
@@ -204,14 +205,6 @@ def init_drafter(drafter: DFlashDrafter, target: Qwen3Target, how: str, seed: in
 
 def _sha(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def file_sha(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def prepare_prompts(target_dir, data: str | Path, max_prompt_len: int, num: int | None, val: int,
@@ -475,7 +468,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     t0 = time.perf_counter()
     train_p, val_p = prepare_prompts(target_dir, data, cfg.max_prompt_len, cfg.num_prompts, cfg.val_prompts, cfg.seed,
                                      cfg.chat)
-    key = {"target": file_sha(next(iter(sorted(target_dir.glob("*.safetensors"))))), "data": data_sha(data),
+    key = {"target": sha256_file(next(iter(sorted(target_dir.glob("*.safetensors")))))[:16], "data": data_sha(data),
            "n": len(train_p) + len(val_p), "max_new": cfg.max_new_tokens, "maxp": cfg.max_prompt_len,
            "T": cfg.gen_temperature, "seed": cfg.seed, "val": cfg.val_prompts, "sample_frac": cfg.gen_sample_frac}
     if cfg.chat:

@@ -47,10 +47,9 @@ class DraftArConfig:
 
 
 def _key(target_dir: Path, data: Path, cfg: DraftArConfig) -> dict:
-    from retrace.bench.builds import dir_digest
-    from retrace.train.dflash import file_sha
+    from retrace.digest import dir_digest, sha256_file
 
-    return {"version": 1, "target": dir_digest(target_dir), "data": file_sha(data), "config": asdict(cfg)}
+    return {"version": 1, "target": dir_digest(target_dir), "data": sha256_file(data)[:16], "config": asdict(cfg)}
 
 
 def cached(out: str | Path, key: dict) -> dict | None:

@@ -13,13 +13,13 @@ Cached (same source files, shape, seed, settings and versions: the manifest come
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
+from retrace.digest import sha256_named_files
 from retrace.errors import RetraceError
 from retrace.output_dir import staged_output
 
@@ -38,16 +38,6 @@ def _log(progress: bool, msg: str) -> None:
         print(f"[inflate] {msg}", file=sys.stderr, flush=True)
 
 
-def _digest(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.name.encode())
-        with p.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def _source_files(zoo: Path) -> list[Path]:
     files = [zoo / "target" / "config.json", *sorted((zoo / "target").glob("*.safetensors")),
              zoo / "drafter" / "config.json", *sorted((zoo / "drafter").glob("*.safetensors")),
@@ -62,7 +52,8 @@ def _source_files(zoo: Path) -> list[Path]:
 def inflate_key(zoo: Path, shape: dict, seed: int, checks: dict) -> dict:
     from retrace.train.zoo import _versions
 
-    return {"inflate_version": INFLATE_VERSION, "source_sha256": _digest(_source_files(zoo)), "shape": shape,
+    source = sha256_named_files((p.name, p) for p in _source_files(zoo))
+    return {"inflate_version": INFLATE_VERSION, "source_sha256": source, "shape": shape,
             "seed": int(seed), "checks": checks, "versions": _versions()}
 
 

@@ -27,7 +27,6 @@ chosen (timings of fewer and more steps): docs/bench/zoo.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..digest import sha256_file
 from ..staging import remove_orphaned
 from . import corpus as corpus_mod
 from . import numerics, target_lm
@@ -141,14 +141,6 @@ def cached_metrics(out_dir: str | Path, size: str = "small", seed: int = 0, **ov
     if not _files_complete(out_dir):
         return None
     return dict(man["metrics"], cached=True)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -382,8 +374,8 @@ def _build(
         "special_tokens": {"eos": tok_mod.EOS_ID, "pad": tok_mod.PAD_ID, "mask": tok_mod.MASK_ID},
         "mask_row_reset": reset,
         **pm,
-        "weights_sha256": _sha256_file(tdir / "model.safetensors"),
-        "tokenizer_sha256": _sha256_file(tdir / "tokenizer.json"),
+        "weights_sha256": sha256_file(tdir / "model.safetensors"),
+        "tokenizer_sha256": sha256_file(tdir / "tokenizer.json"),
         "total_seconds": round(time.perf_counter() - t_start, 2),
         "total_cpu_seconds": round(time.process_time() - c_start, 2),
         "target_dir": str(stage.parent / "target"),

@@ -1,4 +1,4 @@
-"""The serving loop behind the Triton model: a thin adapter over the one engine (retrace/runtime/engine.py).
+"""The serving loop behind the Triton model: a thin adapter over the one engine (retrace/runtime/serving_engine.py).
 
 Nothing here imports Triton; ``model.py`` (the python-backend model) feeds validated requests in and
 wraps each request's response sender in a :class:`Sink`. :class:`ServingLoop` tokenizes and checks each
@@ -34,8 +34,8 @@ from typing import Any, Protocol
 
 from retrace.errors import RetraceError
 from retrace.export.triton.validation import Limits, RequestSpec
-from retrace.runtime.engine import Engine
-from retrace.runtime.engine_handle import EngineClosed, EngineFull, Handle, RequestCancelled, RequestRejected
+from retrace.runtime.serving_engine import ServingEngine
+from retrace.runtime.serving_handle import EngineClosed, EngineFull, Handle, RequestCancelled, RequestRejected
 
 DEFAULT_BACKEND = "onnxruntime"
 
@@ -201,7 +201,7 @@ _ERROR_KINDS = ((RequestCancelled, "the request was cancelled", "cancelled"),
 
 
 class ServingLoop:
-    """Serves Triton jobs on the one engine (retrace/runtime/engine.py); see the module docstring."""
+    """Serves Triton jobs on the one engine (retrace/runtime/serving_engine.py); see the module docstring."""
 
     def __init__(
         self,
@@ -216,7 +216,7 @@ class ServingLoop:
         self.limits = limits
         self.max_batch = max(1, int(max_batch))
         self.log = log or (lambda m: None)
-        self.engine = Engine(adapter.rt, max_queue=max_queue, log=self.log)
+        self.engine = ServingEngine(adapter.rt, max_queue=max_queue, log=self.log)
         self.metrics = self.engine.metrics
         self.invalid = 0  # refused before reaching the engine
 
@@ -326,7 +326,7 @@ class ServingLoop:
 
 
 class _JobListener:
-    """Engine listener of one job: runs on the engine thread and answers through the job's sink."""
+    """Serving-engine listener of one job: runs on the engine thread and answers through the job's sink."""
 
     def __init__(self, loop: ServingLoop, job: Job) -> None:
         self.loop, self.job = loop, job

@@ -1,6 +1,6 @@
 """One thread-safe serving engine: a background thread runs the scheduler; any thread or event loop submits.
 
-    engine = Engine(Runtime.from_bundle(bundle, max_batch=8)).start()
+    engine = ServingEngine(Runtime.from_bundle(bundle, max_batch=8)).start()
     handle = engine.submit("prompt", SamplingParams(max_new_tokens=64), mode="retrace")   # thread-safe
     async for ev in handle: print(ev.text, end="")      # or: result = await handle
     engine.shutdown()                                   # finishes in-flight requests, joins the thread
@@ -14,6 +14,11 @@ that. Every finished request (cancelled ones too) is counted in :attr:`metrics` 
 The engine owns the runtime's scheduler: while it runs, do not call the runtime's generate/stream too.
 The runtime is duck-typed (``scheduler()`` with add/step/cancel, ``codec``, ``backend.max_batch``), so
 the Triton model's stand-in runtime runs on the same engine (retrace/export/triton/serving.py).
+
+"Engine" alone means three things in this project: an engine bundle (retrace.engines.bundle, the
+`--engine` directory), this serving engine, and a TensorRT engine (a `.plan`, retrace.export.tensorrt).
+This class is `ServingEngine`; `Engine` is the same class under the name the embedding API documents
+(`from retrace.runtime import Engine`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 from retrace.errors import RetraceError
 from retrace.request_validation import check_prompt_text
-from retrace.runtime.engine_handle import (
+from retrace.runtime.serving_handle import (
     EngineClosed,
     EngineFailure,
     EngineFull,
@@ -37,7 +42,7 @@ from retrace.runtime.engine_handle import (
 from retrace.runtime.serving_metrics import ServingMetrics
 
 
-class Engine:
+class ServingEngine:
     def __init__(self, runtime: Any, *, max_queue: int = 1024, metrics: ServingMetrics | None = None,
                  log: Callable[[str], None] | None = None, idle_wait_s: float = 0.5):
         if max_queue < 0:
@@ -67,13 +72,13 @@ class Engine:
 
     @classmethod
     def from_bundle(cls, bundle_dir: str, backend: str = "onnxruntime", *, max_queue: int = 1024,
-                    **runtime_kwargs) -> Engine:
+                    **runtime_kwargs) -> ServingEngine:
         from retrace.runtime.api import Runtime
 
         return cls(Runtime.from_bundle(bundle_dir, backend=backend, **runtime_kwargs), max_queue=max_queue)
 
     # -- lifecycle --------------------------------------------------------------------------------------
-    def start(self) -> Engine:
+    def start(self) -> ServingEngine:
         with self._cv:
             if self._thread is not None:
                 raise RetraceError("the engine is already started" if self._thread.is_alive() else
@@ -101,7 +106,7 @@ class Engine:
                     self._cv.notify_all()
                 t.join(timeout)
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> ServingEngine:
         return self if self._thread is not None else self.start()
 
     def __exit__(self, *exc) -> None:
@@ -301,3 +306,6 @@ class Engine:
                                      d.get("finish_reason") or getattr(h.request, "finish_reason", None))
             except Exception as e:
                 self.log(f"metrics: {type(e).__name__}: {e}")
+
+
+Engine = ServingEngine  # the embedding API's name for it (README: `from retrace.runtime import Engine`)

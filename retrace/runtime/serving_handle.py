@@ -1,4 +1,4 @@
-"""One request submitted to the engine (retrace/runtime/engine.py), as its caller sees it.
+"""One request submitted to the engine (retrace/runtime/serving_engine.py), as its caller sees it.
 
 The engine thread pushes the request's events (``token_ids``, ``text``, ``finished``: what each round
 committed) into its handle; the caller reads them from any thread or event loop:
