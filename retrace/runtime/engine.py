@@ -292,6 +292,7 @@ class Engine:
         if h.request is not None:
             try:
                 d = h.request.result()
-                self.metrics.observe(h.mode, dict(d.get("stats") or {}), d.get("finish_reason") or h.request.finish_reason)
+                reason = d.get("finish_reason") or h.request.finish_reason
+                self.metrics.observe(h.mode, dict(d.get("stats") or {}), reason)
             except Exception as e:
                 self.log(f"metrics: {type(e).__name__}: {e}")
