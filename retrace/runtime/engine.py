@@ -37,7 +37,7 @@ from retrace.runtime.engine_handle import (
 )
 from retrace.runtime.sampling_params import SamplingParams
 from retrace.runtime.serving_metrics import ServingMetrics
-from retrace.runtime.serving_protocol import ServableRuntime
+from retrace.runtime.serving_protocol import ServableRuntime, ServingScheduler
 
 
 class Engine:
@@ -46,7 +46,7 @@ class Engine:
         if max_queue < 0:
             raise RetraceError(f"max_queue must be >= 0, got {max_queue}")
         self.runtime = runtime
-        self.sched = runtime.scheduler()
+        self.sched: ServingScheduler = runtime.scheduler()
         self.codec = runtime.codec
         self.max_batch = int(runtime.backend.max_batch) or 1
         self.max_queue = max_queue

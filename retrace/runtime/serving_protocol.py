@@ -36,7 +36,8 @@ class ServedBackend(Protocol):
     max_batch: int
     max_seq_len: int
     target_config: TargetLimits
-    drafter_config: DrafterLimits | None  # None: a target-only runtime
+    drafter_config: DrafterLimits | None  # None: a target-only runtime (mode "ar" only)
+    has_conditioner: bool  # a ReTrace conditioner beside the drafter (mode "retrace")
 
 
 class ServedRequest(Protocol):
@@ -65,6 +66,7 @@ class ServingScheduler(Protocol):
     """The continuous-batching scheduler: requests join and leave between steps."""
 
     block_size: int  # tokens per draft block: a request needs block_size + 1 positions beyond its tokens
+    tree_budget: int  # 0, or the nodes of a draft tree (a request then needs tree_budget + 1 positions)
     max_batch_seen: int
 
     def check(self, prompt_ids: list[int], params: SamplingParams, mode: str) -> None:

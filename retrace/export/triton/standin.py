@@ -90,6 +90,7 @@ class StandinScheduler:
     """Mirrors ``retrace.runtime.Scheduler``: add / step / cancel, continuous batching over slots."""
 
     block_size = 4
+    tree_budget = 0
 
     def __init__(self, runtime: StandinRuntime) -> None:
         self.rt = runtime
@@ -184,6 +185,7 @@ class _Backend:
     name: str = "standin"
     target_config: _Config = dataclasses.field(default_factory=_Config)
     drafter_config: None = None  # no drafter: its block is StandinScheduler.block_size
+    has_conditioner: bool = False
 
 
 class StandinRuntime:
