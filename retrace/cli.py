@@ -9,8 +9,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
-from retrace.cli_checks import check_finite, check_seed, check_text, check_threads  # noqa: E402
+from retrace.cli_checks import check_finite, check_seed, check_text  # noqa: E402
 from retrace.cli_errors import cli_errors  # noqa: E402
+from retrace.cli_options import build_runtime, runtime_flags, runtime_options  # noqa: E402
 from retrace.errors import RetraceError  # noqa: E402
 from retrace.request_validation import MAX_PROMPT_CHARS  # noqa: E402
 
@@ -61,99 +62,6 @@ def _read_prompts(prompt, prompt_ids, prompts_file) -> list[str | list[int]]:
             for o in read_prompts_jsonl(prompts_file)]
 
 
-def build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                  verify_bundle: bool = True, verify_policy: str = "adaptive", tree_budget: int = 0,
-                  tree_sources: str = "topk,suffix,target", prompt_lookup: bool = False, device: str | None = None,
-                  dtype: str | None = None, compile_steps: bool = False):
-    """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch)."""
-    from retrace.runtime import Runtime
-
-    for name, value in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len), ("--threads", threads),
-                        ("--block-size", block_size)):
-        if value is not None and value <= 0:
-            raise RetraceError(f"{name} must be positive, got {value}")
-    check_threads(threads)
-    if engine is not None:
-        if target or drafter:
-            raise RetraceError("give either --engine or --target/--drafter, not both")
-        if compile_steps:
-            raise RetraceError("--compile applies to the torch backend (--target/--drafter), not to a bundle")
-        extra = {} if verify_bundle else {"verify": False}
-        return Runtime.from_bundle(engine, backend=backend or "onnxruntime", block_size=block_size,
-                                   max_batch=max_batch, max_seq_len=max_seq_len, threads=threads,
-                                   verify_policy=verify_policy, tree_budget=tree_budget,
-                                   tree_sources=tree_sources, prompt_lookup=prompt_lookup, device=device,
-                                   dtype=dtype, **extra)
-    if target is None:
-        raise RetraceError("give --target (and --drafter) or --engine")
-    from retrace.models.config import Qwen3Config
-
-    max_pos = Qwen3Config.from_dir(target).max_position_embeddings
-    if max_seq_len is not None and max_seq_len > max_pos:
-        raise RetraceError(f"--max-seq-len {max_seq_len} exceeds the target's max_position_embeddings {max_pos}")
-    return Runtime.from_dirs(target, drafter, backend=backend or "torch", max_batch=max_batch or 8,
-                             max_seq_len=max_seq_len or min(2048, max_pos), block_size=block_size, threads=threads,
-                             verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
-                             prompt_lookup=prompt_lookup, device=device, dtype=dtype, compile=compile_steps)
-
-
-def tree_options(fn):
-    """--tree-budget / --tree-sources (runtime/draft_tree.py)."""
-    fn = click.option("--tree-sources", default="topk,suffix,target", show_default=True,
-                      help="where a draft tree's candidates come from: topk (the drafter's per-slot top-k), suffix "
-                           "(the previous round's rejected suffix), target (the target's argmax on it)")(fn)
-    return click.option("--tree-budget", type=int, default=0, show_default=True,
-                        help="verify a draft tree of at most N tokens per row and round (root included; "
-                             "--verify-policy adaptive picks how many pay, fixed: N); 0 = the chain")(fn)
-
-
-def prompt_lookup_option(fn):
-    return click.option("--prompt-lookup", is_flag=True,
-                        help="in rounds without a drafter call, verify drafts copied from the request's own "
-                             "prompt and output (n-gram lookup; greedy requests; runtime/prompt_lookup.py)")(fn)
-
-
-def device_options(fn):
-    """--device / --dtype (runtime/device.py), --compile (runtime/compiled_step.py)."""
-    fn = click.option("--compile", "compile_steps", is_flag=True,
-                      help="run the torch backend's target and drafter steps under torch.compile(fullgraph=True)")(fn)
-    fn = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
-                      help="weights and caches of --target/--drafter [default: float32]")(fn)
-    return click.option("--device", default=None,
-                        help="where the torch backend runs: cpu, cuda, cuda:N [default: cpu]")(fn)
-
-
-def verify_policy_option(default: str):
-    return click.option("--verify-policy", type=click.Choice(["adaptive", "fixed"]), default=default,
-                        show_default=True,
-                        help="drafts verified per round: adaptive = as many as pay for themselves on this machine "
-                             "(none: plain decoding), fixed = the whole block")
-
-
-def runtime_options(fn):
-    opts = [
-        click.option("--target", type=click.Path(), help="Qwen3 target HF directory"),
-        click.option("--drafter", type=click.Path(), help="DFlash drafter directory (with conditioner files)"),
-        click.option("--engine", type=click.Path(), help="engine bundle from retrace-export build"),
-        click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
-                     help="torch for --target/--drafter (default), onnxruntime for --engine (default)"),
-        click.option("--max-batch", type=int, default=None, help="batch slots [default: 8, or the bundle's limit]"),
-        click.option("--max-seq-len", type=int, default=None,
-                     help="tokens per slot [default: 2048, or the bundle's limit]"),
-        click.option("--block-size", type=int, default=None, help="tokens per draft block (default: drafter's)"),
-        click.option("--threads", type=int, default=None, help="CPU threads for the backend"),
-        click.option("--no-verify-bundle", "no_verify_bundle", is_flag=True,
-                     help="skip re-hashing the bundle's files on load (sizes are still checked)"),
-        verify_policy_option("adaptive"),
-        tree_options,
-        prompt_lookup_option,
-        device_options,
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
 def sampling_options(fn):
     opts = [
         click.option("--max-new-tokens", type=int, default=128, show_default=True),
@@ -180,10 +88,8 @@ def sampling_options(fn):
 @sampling_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object with outputs and stats")
 @cli_errors
-def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
-             verify_policy, tree_budget, tree_sources, prompt_lookup, device, dtype, compile_steps, prompt, prompt_ids,
-             prompts_file, mode, max_new_tokens, temperature, top_p, top_k, seed, stop, min_tokens, ignore_eos,
-             as_json) -> None:
+def generate(target, drafter, engine, backend, options, prompt, prompt_ids, prompts_file, mode, max_new_tokens,
+             temperature, top_p, top_k, seed, stop, min_tokens, ignore_eos, as_json) -> None:
     """Generate with speculative decoding (lossless: greedy output equals the target's own)."""
     import json
 
@@ -196,10 +102,7 @@ def generate(target, drafter, engine, backend, max_batch, max_seq_len, block_siz
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop), min_tokens=min_tokens, ignore_eos=ignore_eos)
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)
-    rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                       verify_bundle=not no_verify_bundle, verify_policy=verify_policy, tree_budget=tree_budget,
-                       tree_sources=tree_sources, prompt_lookup=prompt_lookup, device=device, dtype=dtype,
-                       compile_steps=compile_steps)
+    rt = build_runtime(target, drafter, engine, backend, options)
     if as_json:
         results = rt.generate(prompts, params, mode)
     else:
@@ -252,7 +155,7 @@ main.add_command(eval_cmd)
 @click.option("--batch-sizes", default="1,8", show_default=True, help="comma-separated batch sizes")
 @click.option("--runs", type=int, default=3, show_default=True, help="timed runs per system (interleaved)")
 @click.option("--limit", type=int, default=16, show_default=True, help="prompts used (round-robin over files)")
-@click.option("--threads", type=int, default=None, help="CPU threads for every system (default: all cores)")
+@runtime_flags("threads", helps={"threads": "CPU threads for every system (default: all cores)"})
 @click.option("--systems", default=None, help="only these systems (comma-separated names or globs, e.g. 'hf-*')")
 @click.option("--cache-dir", type=click.Path(), default=None, help="build cache (default ~/.cache/retrace/bench)")
 @click.option("--no-build-engine", is_flag=True, help="without --engine, skip the ONNX Runtime backend")
@@ -268,13 +171,11 @@ main.add_command(eval_cmd)
 @click.option("--profile", "profile_out", type=click.Path(), default=None,
               help="cProfile one batch-1 run of the headline retrace system into this file")
 @click.option("--readme-table", is_flag=True, help="print the results as a markdown table (for the README)")
-@verify_policy_option("adaptive")
-@tree_options
-@prompt_lookup_option
+@runtime_flags("verify_policy", "tree_budget", "tree_sources", "prompt_lookup")
 @click.option("--tree-fixed", default="", help="also run retrace-<backend>-<mode>-tree<b>-fixed: trees of exactly "
                                                "b tokens a round, for each b of this comma list (e.g. 4,8,16)")
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
-@device_options
+@runtime_flags("device", "dtype", "compile")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
 @click.option("--weights", "weights", default="fp32", show_default=True,

@@ -10,13 +10,11 @@ from pathlib import Path
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.runtime.backend import Backend
 from retrace.runtime.device import resolve_device
-from retrace.runtime.draft_tree import SOURCES, check_budget, parse_sources
 from retrace.runtime.loop import MODES, Event, Request, Scheduler
-from retrace.runtime.prompt_lookup import PromptLookup
-from retrace.runtime.sampling import SamplingParams
+from retrace.runtime.options import DIRS_MAX_BATCH, DIRS_MAX_SEQ_LEN, RuntimeOptions
+from retrace.runtime.sampling_params import SamplingParams
 from retrace.runtime.stats import AcceptStats
 from retrace.runtime.tokenizer import TextCodec
-from retrace.runtime.verify_policy import POLICIES, VerifyPolicy
 
 # backend name -> "module:Class" (imported only when asked for; only backends know their engine)
 BUNDLE_BACKENDS = {
@@ -63,63 +61,60 @@ class Result:
 
 
 class Runtime:
-    def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
-                 verify_policy: str | VerifyPolicy = "adaptive", tree_budget: int = 0,
-                 tree_sources: str | tuple[str, ...] = SOURCES, prompt_lookup: bool | PromptLookup = False):
-        """verify_policy: how many drafts each round verifies, for every request of this runtime:
-        "adaptive" (what pays on this machine, runtime/verify_policy.py), "fixed" (the whole block), or a
-        policy object. tree_budget > 0: verify a draft tree of at most that many nodes per row instead
-        (runtime/draft_tree.py) from tree_sources ("topk,suffix,target"); the policy picks how many of its
-        best-first nodes each round verifies ("fixed": all; "adaptive": runtime/tree_budget.py).
-        prompt_lookup: True (or a PromptLookup) = in rounds without a drafter call, verify drafts copied
-        from the request's own tokens (runtime/prompt_lookup.py; dflash and retrace modes, greedy rows)."""
-        if isinstance(verify_policy, str) and verify_policy not in POLICIES:
-            raise RetraceError(f"unknown verify policy {verify_policy!r} (choose from {', '.join(POLICIES)})")
+    def __init__(self, backend: Backend, codec: TextCodec | None = None, options: RuntimeOptions | None = None,
+                 **option_kwargs):
+        """options: how it runs (runtime/options.py: block size, verify policy, draft tree, prompt lookup);
+        keyword arguments of the same names (block_size=, verify_policy=, ...) build or change one; checked
+        against the backend now."""
+        self.options = RuntimeOptions.of(options, **option_kwargs)
+        self.options.block_size_for(backend)  # fails now, not at the first request
         self.backend = backend
         self.codec = codec
-        self.block_size = block_size
-        self.verify_policy = verify_policy
-        self.tree_budget = check_budget(tree_budget, block_size or 0)
-        if self.tree_budget + 3 > backend.max_seq_len:  # one prompt token + one new token + the tree + 1
-            raise RetraceError(f"tree budget {self.tree_budget} leaves no room for any request in the max length "
-                               f"{backend.max_seq_len} (at most {backend.max_seq_len - 3})")
-        self.tree_sources = parse_sources(tree_sources)
-        self.prompt_lookup = prompt_lookup
-        self._sched: Scheduler | None = None
+        self._sched: Scheduler | None = None  # made at first use (from the backend then: tests wrap it)
         # events of requests being streamed, not yet yielded: a step run on behalf of one stream (or of
         # generate) commits tokens for every request, and the other streams must still see theirs
         self._pending: dict[int, list[Event]] = {}
 
+    @property
+    def block_size(self) -> int | None:
+        """The block size asked for (None: the drafter's; the scheduler's block_size is the one in use)."""
+        return self.options.block_size
+
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, backend: str = "torch",
-                  max_batch: int = 8, max_seq_len: int = 2048, block_size: int | None = None,
-                  threads: int | None = None, verify_policy: str | VerifyPolicy = "adaptive",
-                  tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES,
-                  prompt_lookup: bool | PromptLookup = False, device: str | None = None,
-                  dtype: str | None = None, compile: bool | str = False) -> Runtime:
-        """device: "cpu" (default), "cuda", "cuda:N"; dtype: "bfloat16" | "float16" | "float32" (default);
-        compile: the torch backend's steps under torch.compile(fullgraph=True) (runtime/compiled_step.py)."""
+                  options: RuntimeOptions | None = None, **option_kwargs) -> Runtime:
+        """The torch backend on a Qwen3 target directory and a DFlash drafter directory. options (or its
+        fields as keyword arguments): max_batch / max_seq_len (default 8 / 2048), threads, device, dtype,
+        compile (runtime/options.py), and the round's options."""
+        opts = RuntimeOptions.of(options, **option_kwargs)
         if backend != "torch":
             raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
                                "with --target/--drafter use the torch backend")
         from retrace.runtime.torch_backend import TorchBackend
 
-        be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=max_batch, max_seq_len=max_seq_len,
-                                    threads=threads, device=device, dtype=dtype, compile=compile)
-        return cls(be, TextCodec.find(target_dir), block_size, verify_policy, tree_budget, tree_sources, prompt_lookup)
+        be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=opts.max_batch or DIRS_MAX_BATCH,
+                                    max_seq_len=opts.max_seq_len or DIRS_MAX_SEQ_LEN, threads=opts.threads,
+                                    device=opts.device, dtype=opts.dtype, compile=opts.compile)
+        return cls(be, TextCodec.find(target_dir), opts)
 
     @classmethod
-    def from_bundle(cls, bundle_dir: str | Path, backend: str = "onnxruntime", block_size: int | None = None,
-                    verify_policy: str | VerifyPolicy = "adaptive", tree_budget: int = 0,
-                    tree_sources: str | tuple[str, ...] = SOURCES, prompt_lookup: bool | PromptLookup = False,
-                    device: str | None = None, dtype: str | None = None, **backend_kwargs) -> Runtime:
-        """device: checked against where the bundle's backend runs (onnxruntime: cpu; tensorrt: cuda);
-        dtype: refused (a bundle's dtype is fixed when it is built)."""
-        extra = _bundle_device(backend, device, dtype)
-        be = _load_backend_class(backend).from_bundle(bundle_dir, **extra, **backend_kwargs)
-        return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), block_size, verify_policy,
-                   tree_budget, tree_sources, prompt_lookup)
+    def from_bundle(cls, bundle_dir: str | Path, backend: str = "onnxruntime", options: RuntimeOptions | None = None,
+                    **kwargs) -> Runtime:
+        """An engine bundle (retrace-export build) on its backend. options (or its fields as keyword
+        arguments): max_batch / max_seq_len (default: the bundle's limits), threads, verify_bundle; device is
+        checked against where the backend runs (onnxruntime: cpu; tensorrt: cuda); dtype and compile are
+        refused (fixed when the bundle is built). Other keyword arguments go to the backend's from_bundle."""
+        fields, backend_kwargs = RuntimeOptions.split(kwargs)
+        opts = RuntimeOptions.of(options, **fields)
+        if opts.compile:
+            raise RetraceError("--compile applies to the torch backend (--target/--drafter), not to a bundle")
+        extra = _bundle_device(backend, opts.device, opts.dtype)
+        given = {"max_batch": opts.max_batch, "max_seq_len": opts.max_seq_len, "threads": opts.threads,
+                 "verify": opts.verify_bundle}
+        extra.update({k: v for k, v in given.items() if v is not None})
+        be = _load_backend_class(backend).from_bundle(bundle_dir, **{**extra, **backend_kwargs})
+        return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), opts)
 
     # -- text ------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -133,10 +128,7 @@ class Runtime:
     def scheduler(self) -> Scheduler:
         """The long-lived continuous-batching scheduler (requests join and leave between rounds)."""
         if self._sched is None:
-            self._sched = Scheduler(self.backend, self.codec, self.block_size, verify_policy=self.verify_policy,
-                                    tree_budget=self.tree_budget, tree_sources=self.tree_sources,
-                                    prompt_lookup=(PromptLookup() if self.prompt_lookup is True
-                                                   else self.prompt_lookup or None))
+            self._sched = Scheduler(self.backend, self.codec, self.options)
         return self._sched
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None,

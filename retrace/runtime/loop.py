@@ -35,8 +35,9 @@ from retrace.errors import RetraceError
 from retrace.runtime.backend import Backend
 from retrace.runtime.detokenize import IncrementalText
 from retrace.runtime.device import device_of, host_values, index_tensor, read
-from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees, check_budget, parse_sources
+from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees
 from retrace.runtime.modes import MODES  # re-exported (retrace.runtime.loop.MODES)
+from retrace.runtime.options import RuntimeOptions
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.rejected_trajectory import RejectedTrajectory
 from retrace.runtime.sampling import (
@@ -60,7 +61,7 @@ from retrace.runtime.tree_accept import (
     sample_tree_accept,
     source_counts,
 )
-from retrace.runtime.verify_policy import FixedPolicy, VerifyPolicy, make_policy
+from retrace.runtime.verify_policy import FixedPolicy, make_policy
 
 
 @dataclass
@@ -107,24 +108,14 @@ class Event:
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, codec: TextCodec | None = None, block_size: int | None = None,
-                 eos_ids: tuple[int, ...] | None = None, verify_policy: str | VerifyPolicy = "fixed",
-                 tree_budget: int = 0, tree_sources: str | tuple[str, ...] = SOURCES,
-                 prompt_lookup: PromptLookup | None = None):
-        """verify_policy: "fixed" (the whole block every round: what training rollouts and `retrace eval`
-        measure), "adaptive" (runtime/verify_policy.py), or a policy object (tests inject one).
-        tree_budget: 0 = chain verification; N >= 2 = a draft tree of <= N nodes (root included) per row
-        from tree_sources ("topk", "suffix", "target"; a comma list or a tuple).
-        prompt_lookup: drafts from the request's own tokens in the rounds without a drafter call
-        (runtime/prompt_lookup.py; dflash and retrace modes, greedy rows)."""
+    def __init__(self, backend: Backend, codec: TextCodec | None, options: RuntimeOptions):
+        """options (runtime/options.py): the block size, verify policy, draft tree, prompt lookup and EOS ids."""
         self.backend = backend
         self.device = device_of(backend)  # every tensor of the round lives there
         self.codec = codec
         dc = backend.drafter_config
-        self.block_size = int(block_size or (dc.block_size if dc else 1))
-        if dc is not None and not 2 <= self.block_size <= dc.block_size:
-            raise RetraceError(f"block size {self.block_size} must be in 2..{dc.block_size} (the drafter's block_size)")
-        self.eos_ids = set(backend.target_config.eos_token_ids if eos_ids is None else eos_ids)
+        self.block_size = options.block_size_for(backend)
+        self.eos_ids = set(backend.target_config.eos_token_ids if options.eos_ids is None else options.eos_ids)
         self.mask_id = dc.mask_token_id if dc else -1
         self.memory = (SuffixMemory(backend.max_batch, self.block_size, dc.hidden_size, device=self.device)
                        if dc is not None else None)
@@ -135,16 +126,17 @@ class Scheduler:
         self.stats: dict[str, AcceptStats] = {m: AcceptStats() for m in MODES}
         self.max_batch_seen = 0
         self._ids = itertools.count()
-        self.policy = make_policy(verify_policy, backend, self.block_size) if dc is not None else FixedPolicy(1)
-        self.tree_budget = check_budget(tree_budget, self.block_size)
-        self.tree_sources = parse_sources(tree_sources)
+        self.policy = make_policy(options.verify_policy, backend, self.block_size) if dc is not None else FixedPolicy(1)
+        self.tree_budget = options.tree_budget
+        self.tree_sources = options.tree_sources
         self.tree_rates = SourceRates()
         self.clock = stopwatch_for(self.device)  # host timers on the CPU, CUDA events on CUDA
         self.trajectory = (RejectedTrajectory(backend.max_batch, self.block_size, device=self.device)
                            if dc is not None else None)
         # per source: [tree nodes whose parent was accepted, of those accepted, accepted that only it proposed]
         self.tree_counts = {s: [0, 0, 0] for s in SOURCES}
-        self.lookup = prompt_lookup if dc is not None else None
+        lookup = PromptLookup() if options.prompt_lookup is True else options.prompt_lookup or None
+        self.lookup = lookup if dc is not None else None
 
     # -- requests --------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:

@@ -12,8 +12,9 @@ at most ``max_queue`` requests wait beyond the batch slots; ``submit`` raises :c
 that. Every finished request (cancelled ones too) is counted in :attr:`metrics` (ServingMetrics).
 
 The engine owns the runtime's scheduler: while it runs, do not call the runtime's generate/stream too.
-The runtime is duck-typed (``scheduler()`` with add/step/cancel, ``codec``, ``backend.max_batch``), so
-the Triton model's stand-in runtime runs on the same engine (retrace/export/triton/serving.py).
+What it needs from the runtime is typed in runtime/serving_protocol.py (ServableRuntime: ``scheduler()``
+with check/add/step/cancel, ``codec``, ``backend.max_batch``), so the Triton model's stand-in runtime runs
+on the same engine (retrace/export/triton/serving.py).
 
 "Engine" alone means three things in this project: an engine bundle (retrace.engines.bundle, the
 `--engine` directory), this serving engine, and a TensorRT engine (a `.plan`, retrace.export.tensorrt).
@@ -39,18 +40,20 @@ from retrace.runtime.serving_handle import (
     RequestCancelled,
     RequestRejected,
 )
+from retrace.runtime.sampling_params import SamplingParams
 from retrace.runtime.serving_metrics import ServingMetrics
+from retrace.runtime.serving_protocol import ServableRuntime, ServingScheduler
 
 
 class ServingEngine:
-    def __init__(self, runtime: Any, *, max_queue: int = 1024, metrics: ServingMetrics | None = None,
+    def __init__(self, runtime: ServableRuntime, *, max_queue: int = 1024, metrics: ServingMetrics | None = None,
                  log: Callable[[str], None] | None = None, idle_wait_s: float = 0.5):
         if max_queue < 0:
             raise RetraceError(f"max_queue must be >= 0, got {max_queue}")
         self.runtime = runtime
-        self.sched = runtime.scheduler()
-        self.codec = getattr(runtime, "codec", None)
-        self.max_batch = int(getattr(getattr(runtime, "backend", None), "max_batch", 1) or 1)
+        self.sched: ServingScheduler = runtime.scheduler()
+        self.codec = runtime.codec
+        self.max_batch = int(runtime.backend.max_batch) or 1
         self.max_queue = max_queue
         self.metrics = metrics or ServingMetrics()
         self.log = log or (lambda m: None)
@@ -137,26 +140,18 @@ class ServingEngine:
             raise RequestRejected(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
         return [int(t) for t in ids]
 
-    def submit(self, prompt: str | list[int], params: Any = None, mode: str = "retrace", *,
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, mode: str = "retrace", *,
                listener: Any = None) -> Handle:
-        """Queue one request; thread-safe and non-blocking. Raises RequestRejected (bad request, checked
-        here when the scheduler can check without its state), EngineFull, EngineClosed."""
-        from retrace.runtime.sampling import SamplingParams
-
+        """Queue one request; thread-safe and non-blocking. Raises RequestRejected (bad request: checked here,
+        by the scheduler's stateless check), EngineFull, EngineClosed."""
         if params is None:
             params = SamplingParams()
         ids = self.encode(prompt)
-        if isinstance(params, SamplingParams):  # (a stand-in runtime brings its own)
-            try:
-                params.validate()  # again: fields may have changed since it was built
-            except RetraceError as e:
-                raise RequestRejected(str(e)) from None
-        check = getattr(self.sched, "check", None)
-        if check is not None:
-            try:
-                check(ids, params, mode)
-            except RetraceError as e:
-                raise RequestRejected(str(e)) from None
+        try:
+            params.validate()  # again: fields may have changed since it was built
+            self.sched.check(ids, params, mode)
+        except RetraceError as e:
+            raise RequestRejected(str(e)) from None
         handle = Handle(self, ids, params, mode, listener)
         with self._cv:
             if not self._accepting:
@@ -245,7 +240,7 @@ class ServingEngine:
             h = self._active.get(id(ev.request))
             if h is None:
                 continue
-            if ev.finished and getattr(ev.request, "error", None):  # it failed alone; its batch-mates go on
+            if ev.finished and ev.request.error:  # it failed alone; its batch-mates go on
                 self._close(h, RequestRejected(ev.request.error))
                 continue
             if ev.finished:  # counted before its caller can see the end, so a scrape after it agrees
@@ -273,7 +268,7 @@ class ServingEngine:
     def _close(self, h: Handle, error: RetraceError) -> None:
         """End a request that did not finish normally: free its slot, tell its caller, count it."""
         self._active.pop(id(h.request), None)
-        if h.request is not None and not getattr(h.request, "finished", False):
+        if h.request is not None and not h.request.finished:
             try:
                 self.sched.cancel(h.request)
             except Exception as e:
@@ -302,8 +297,8 @@ class ServingEngine:
         if h.request is not None:
             try:
                 d = h.request.result()
-                self.metrics.observe(h.mode, dict(d.get("stats") or {}),
-                                     d.get("finish_reason") or getattr(h.request, "finish_reason", None))
+                reason = d.get("finish_reason") or h.request.finish_reason
+                self.metrics.observe(h.mode, dict(d.get("stats") or {}), reason)
             except Exception as e:
                 self.log(f"metrics: {type(e).__name__}: {e}")
 

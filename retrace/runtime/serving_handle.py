@@ -24,6 +24,7 @@ from typing import Any
 
 from retrace.errors import RetraceError
 from retrace.runtime.api import Result
+from retrace.runtime.serving_protocol import ServedRequest
 
 
 class EngineFull(RetraceError):
@@ -60,7 +61,7 @@ class Handle:
         self.params = params
         self.mode = mode
         self.listener = listener  # optional: on_event(handle, ev), on_error(handle, err), is_cancelled()
-        self.request: Any = None  # the scheduler's request, once the engine thread added it
+        self.request: ServedRequest | None = None  # the scheduler's request, once the engine thread added it
         self.token_ids: list[int] = []
         self.text = ""
         self.error: RetraceError | None = None

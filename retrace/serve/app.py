@@ -30,6 +30,7 @@ from retrace.request_validation import InvalidParameter, check_prompt_text
 from retrace.runtime.sampling import SamplingParams
 from retrace.runtime.serving_engine import ServingEngine
 from retrace.runtime.serving_handle import EngineClosed, EngineFailure, EngineFull, Handle, RequestRejected
+from retrace.runtime.serving_protocol import ServableRuntime
 from retrace.serve.chat import ChatTemplate
 from retrace.serve.limits import BodyLimit, ServeLimits
 from retrace.serve.offload import off_loop
@@ -40,12 +41,12 @@ PARAMS = {"max_new_tokens": "max_tokens", "min_tokens": "min_tokens"}
 STATS_KEYS = ("tau", "rounds", "drafted", "accepted_hist", "verify_hist", "tokens_per_s", "wall_s")
 
 
-def best_mode(runtime: Any) -> tuple[str, ...]:
+def best_mode(runtime: ServableRuntime) -> tuple[str, ...]:
     """The modes the runtime can serve, best first."""
     be = runtime.backend
-    if getattr(be, "drafter_config", None) is None:
+    if be.drafter_config is None:
         return ("ar",)
-    return ("retrace", "dflash", "ar") if getattr(be, "has_conditioner", False) else ("dflash", "ar")
+    return ("retrace", "dflash", "ar") if be.has_conditioner else ("dflash", "ar")
 
 
 def api_error(err: Exception) -> ApiError:
@@ -72,7 +73,7 @@ class Service:
         self.modes = best_mode(engine.runtime)
         self.max_seq_len = int(engine.runtime.backend.max_seq_len)
         sched = engine.sched  # the positions a request needs beyond prompt + max_tokens (the scheduler's check)
-        self.reserve = max(int(getattr(sched, "block_size", 0) or 0), int(getattr(sched, "tree_budget", 0) or 0)) + 1
+        self.reserve = max(int(sched.block_size), int(sched.tree_budget)) + 1
         self.created = int(time.time())
         self._drain: threading.Thread | None = None
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import click
 
-from retrace.cli import build_runtime, runtime_options
 from retrace.cli_checks import check_finite
 from retrace.cli_errors import cli_errors
+from retrace.cli_options import build_runtime, runtime_options
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.request_validation import MAX_PROMPT_CHARS
 from retrace.serve.limits import MAX_BODY_BYTES, ServeLimits
@@ -37,9 +37,8 @@ GRACE_S = 5.0  # beyond --drain-timeout: time to answer what the drain failed
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)
 @cli_errors
-def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads, no_verify_bundle,
-          verify_policy, tree_budget, tree_sources, prompt_lookup, device, dtype, compile_steps, host, port, max_queue,
-          chat_template, served_model_name, drain_timeout, max_body_bytes, max_prompt_chars, log_level) -> None:
+def serve(target, drafter, engine, backend, options, host, port, max_queue, chat_template, served_model_name,
+          drain_timeout, max_body_bytes, max_prompt_chars, log_level) -> None:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     try:
         import uvicorn
@@ -53,10 +52,7 @@ def serve(target, drafter, engine, backend, max_batch, max_seq_len, block_size, 
     check_finite(drain_timeout, "--drain-timeout", low=0.0)
     _Server = _server_class()
 
-    rt = build_runtime(target, drafter, engine, backend, max_batch, max_seq_len, block_size, threads,
-                       verify_bundle=not no_verify_bundle, verify_policy=verify_policy, tree_budget=tree_budget,
-                       tree_sources=tree_sources, prompt_lookup=prompt_lookup, device=device, dtype=dtype,
-                       compile_steps=compile_steps)
+    rt = build_runtime(target, drafter, engine, backend, options)
     codec_path = getattr(rt.codec, "path", None)
     chat = ChatTemplate.load(codec_path.parent if codec_path else None, chat_template)
     name = served_model_name or Path(engine or target).resolve().name

@@ -11,6 +11,7 @@ import json
 import click
 
 from retrace.cli_errors import cli_errors
+from retrace.cli_options import runtime_flags
 
 
 def _floats(s: str) -> tuple[float, ...]:
@@ -376,21 +377,13 @@ def zoo_draft_ar(zoo_dir, out_dir, layers, seconds, num_prompts, threads, seed, 
               help="JSONL prompts (repeatable)")
 @click.option("--max-new-tokens", type=int, default=96, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--block-size", type=int, default=None, help="default: the drafter's")
 @click.option("--modes", default="dflash,retrace", show_default=True)
 @click.option("--limit", type=int, default=None, help="first N prompts only")
-@click.option("--max-batch", type=int, default=32, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--threads", type=int, default=None)
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="float32", show_default=True,
-              help="the pair's weights and caches")
-@click.option("--verify-policy", type=click.Choice(["fixed", "adaptive"]), default="fixed", show_default=True,
-              help="fixed: every round verifies the whole block (tau measures the drafter); adaptive: as served")
-@click.option("--tree-budget", type=int, default=0, show_default=True,
-              help="verify a draft tree of at most N tokens per row and round in every mode (0 = the chain)")
-@click.option("--tree-sources", default="topk,suffix,target", show_default=True,
-              help="a draft tree's candidates: topk, suffix (the previous round's rejected suffix), target")
+@runtime_flags("max_batch", "block_size", "threads", "verify_policy", "tree_budget", "tree_sources", "device", "dtype",
+               max_batch=32, device="cpu", dtype="float32", verify_policy="fixed",
+               helps={"verify_policy": "fixed: every round verifies the whole block (tau measures the drafter); "
+                                       "adaptive: as served"})
 @click.option("--json", "as_json", is_flag=True)
 @cli_errors
 def eval_cmd(target_dir, drafter_dir, prompts_files, max_new_tokens, temperature, block_size, modes, limit, max_batch,

@@ -20,6 +20,7 @@ import torch
 from retrace.models.drafter import DFlashDrafter
 from retrace.models.target import Qwen3Target
 from retrace.runtime.loop import Scheduler
+from retrace.runtime.options import RuntimeOptions
 from retrace.runtime.sampling import SamplingParams
 from retrace.runtime.torch_backend import TorchBackend
 
@@ -133,8 +134,8 @@ def run_requests(backend, prompts: list[list[int]], mode: str, max_new_tokens: i
     """Run every prompt through one continuous batch of `backend.max_batch` slots. Returns one Rollout per
     prompt (output ids, per-round accepted counts, and with `record` the retrace suffix records)."""
     rec_be = RecordingBackend(backend, keep_debug=keep_debug, keep_empty=keep_empty) if record else backend
-    sched = Scheduler(rec_be, None, block_size, eos_ids=eos_ids, verify_policy=verify_policy, tree_budget=tree_budget,
-                      tree_sources=tree_sources)
+    sched = Scheduler(rec_be, None, RuntimeOptions(block_size=block_size, eos_ids=eos_ids, verify_policy=verify_policy,
+                                                   tree_budget=tree_budget, tree_sources=tree_sources))
     if record:
         rec_be.sched = sched
     reqs = []
@@ -206,7 +207,7 @@ def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int,
         outs, _ = run_requests(be, prompts, "ar", max_new_tokens, temperature, seed, progress=progress)
         return [o.output_ids for o in outs]
     rec = TapRecorder(be)
-    sched = Scheduler(rec, None, None)
+    sched = Scheduler(rec, None, RuntimeOptions(verify_policy="fixed"))
     rec.sched = sched
     reqs = [sched.add(list(p), SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i),
                       "ar") for i, p in enumerate(prompts)]

@@ -144,12 +144,10 @@ class TritonPythonModel:
         if not max_tokens:
             max_tokens = budget - 1 if budget else 4096
         modes = [m.strip() for m in (params.get("RETRACE_MODES") or "retrace,dflash,ar").split(",") if m.strip()]
-        backend = getattr(runtime, "backend", None)
-        eos = getattr(getattr(backend, "target_config", None), "eos_token_ids", None)
         self.limits = Limits(max_tokens=max_tokens, max_seq_len=budget,
                              vocab_size=adapter.vocab_size or blim["vocab_size"], modes=tuple(modes),
-                             default_mode=modes[0], eos_ids=tuple(int(t) for t in eos) if eos else None)
-        block = getattr(getattr(backend, "drafter_config", None), "block_size", None) or 16
+                             default_mode=modes[0], eos_ids=adapter.eos_ids)
+        block = adapter.drafter_block_size or 16
         self.metrics = None
         if hasattr(pb_utils, "MetricFamily"):
             from retrace.export.triton.triton_metrics import TritonMetrics

@@ -19,6 +19,9 @@ engine and :class:`RuntimeAdapter` use it through ``retrace.runtime``'s serving 
     req.result()["stats"], req.finish_reason       # tau, rounds, accepted_hist, ...
     sched.cancel(req)                              # client hung up: frees the slot and suffix memory
     rt.codec.encode(text) / .decode(ids)           # None when the bundle has no tokenizer.json
+
+The seam is typed in retrace/runtime/serving_protocol.py (ServableRuntime); the stand-in runtime of
+:mod:`retrace.export.triton.standin` implements it without a model.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from retrace.errors import RetraceError
 from retrace.export.triton.validation import Limits, RequestSpec
 from retrace.runtime.serving_engine import ServingEngine
 from retrace.runtime.serving_handle import EngineClosed, EngineFull, Handle, RequestCancelled, RequestRejected
+from retrace.runtime.sampling_params import SamplingParams
+from retrace.runtime.serving_protocol import ServableRuntime, ServedEvent, ServingScheduler
 
 DEFAULT_BACKEND = "onnxruntime"
 
@@ -86,7 +91,7 @@ def create_runtime(
     factory: str | None = None,
     options: dict[str, Any] | None = None,
     verify_policy: str = "adaptive",
-) -> Any:
+) -> ServableRuntime:
     """Create the runtime that serves ``bundle_dir``. THE single place the real runtime is created.
 
     ``factory`` ("module:callable", called as ``f(bundle_dir, backend=..., max_batch=..., **options)``)
@@ -101,74 +106,69 @@ def create_runtime(
                                **(options or {}))
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
 def _int_or_none(v: Any) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 class RuntimeAdapter:
-    """What the Triton model needs to know about the runtime (limits, tokenizer, its SamplingParams)."""
+    """What the Triton model needs to know about the runtime (limits, tokenizer), read through the typed
+    seam of retrace/runtime/serving_protocol.py; requests carry the one SamplingParams."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: ServableRuntime) -> None:
         self.rt = runtime
-        self.backend = getattr(runtime, "backend", None)
-        codec = getattr(runtime, "codec", None)
-        self.codec = codec if codec is not None and hasattr(codec, "encode") and hasattr(codec, "decode") else None
-        params_cls = getattr(runtime, "SamplingParams", None)
-        if params_cls is None:
-            from retrace.runtime import SamplingParams as params_cls  # noqa: N813
-        self._params_cls = params_cls
+        self.backend = runtime.backend
+        self.codec = runtime.codec
 
     @property
-    def sched(self) -> Any:
+    def sched(self) -> ServingScheduler:
         return self.rt.scheduler()
 
     # limits the runtime knows better than the manifest
     @property
     def max_batch(self) -> int | None:
-        return _int_or_none(getattr(self.backend, "max_batch", None))
+        return _int_or_none(self.backend.max_batch)
 
     @property
     def max_seq_len(self) -> int | None:
-        return _int_or_none(getattr(self.backend, "max_seq_len", None))
+        return _int_or_none(self.backend.max_seq_len)
 
     @property
     def reserve(self) -> int:
         """Positions a request needs beyond prompt + max_tokens (the last draft block + its anchor)."""
-        bs = _int_or_none(getattr(self.sched, "block_size", None))
+        bs = _int_or_none(self.sched.block_size)
         return bs + 1 if bs else 0
 
     @property
     def vocab_size(self) -> int | None:
-        return _int_or_none(getattr(getattr(self.backend, "target_config", None), "vocab_size", None))
+        return _int_or_none(self.backend.target_config.vocab_size)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...] | None:
+        eos = self.backend.target_config.eos_token_ids
+        return tuple(int(t) for t in eos) if eos else None
+
+    @property
+    def drafter_block_size(self) -> int | None:
+        """The drafter's block (None: a target-only runtime)."""
+        dc = self.backend.drafter_config
+        return None if dc is None else _int_or_none(dc.block_size)
 
     @property
     def max_batch_seen(self) -> int | None:
-        return _int_or_none(getattr(self.sched, "max_batch_seen", None))
+        return _int_or_none(self.sched.max_batch_seen)
 
     def encode(self, text: str) -> list[int] | None:
         return None if self.codec is None else [int(t) for t in self.codec.encode(text)]
 
-    def params(self, spec: RequestSpec) -> Any:
-        return self._params_cls(**spec.sampling_kwargs())
+    def params(self, spec: RequestSpec) -> SamplingParams:
+        return SamplingParams(**spec.sampling_kwargs())
 
     def request_stats(self, handle: Handle) -> dict[str, Any]:
-        result = getattr(handle.request, "result", None)
-        stats = dict(result().get("stats") or {}) if callable(result) else {}
-        reason = _get(handle.request, "finish_reason")
+        stats = dict(handle.request.result().get("stats") or {}) if handle.request is not None else {}
+        reason = handle.request.finish_reason if handle.request is not None else None
         if reason is not None:
             stats["finish_reason"] = reason
         return stats
-
-    def close(self) -> None:
-        fn = getattr(self.rt, "close", None)
-        if callable(fn):
-            fn()
 
 
 # ------------------------------------------------------------------------------------------------ loop
@@ -246,7 +246,6 @@ class ServingLoop:
     def stop(self, timeout: float = 30.0) -> None:
         """Fail every outstanding request with 'the model is shutting down' (so the server can exit)."""
         self.engine.shutdown(drain=False, timeout=timeout)
-        self._safe(self.adapter.close)
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.engine.snapshot()
@@ -334,11 +333,11 @@ class _JobListener:
     def is_cancelled(self) -> bool:
         return bool(self.job.sink.is_cancelled())
 
-    def on_event(self, h: Handle, ev: Any) -> None:  # raising: the client is gone (the engine cancels)
+    def on_event(self, h: Handle, ev: ServedEvent) -> None:  # raising: the client is gone (the engine cancels)
         job = self.job
-        new_ids = [int(t) for t in (_get(ev, "token_ids") or ())]
-        delta = str(_get(ev, "text", "") or "")  # the runtime holds back partial characters / stop strings
-        finished = bool(_get(ev, "finished", False))
+        new_ids = [int(t) for t in ev.token_ids]
+        delta = ev.text  # the runtime holds back partial characters / stop strings
+        finished = ev.finished
         job.unsent_ids.extend(new_ids)
         job.text += delta
         stats = self.loop._final_stats(job, h) if finished else None
@@ -353,6 +352,6 @@ class _JobListener:
         # A cancelled request is closed with a FINAL response too: Triton counts it as in flight until
         # then (and would not shut down cleanly); the client is gone, so nobody sees this error.
         if isinstance(err, RequestCancelled):
-            self.loop.log(f"request {_get(h.request, 'rid', '?')} cancelled by the client after "
+            self.loop.log(f"request {h.request.rid if h.request is not None else '?'} cancelled by the client after "
                           f"{len(h.token_ids)} tokens; slot freed")
         self.job.sink.error(*self.loop._error_reply(err))

@@ -19,23 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from retrace.runtime.sampling_params import SamplingParams  # the runtime's own (imports no torch)
+
 PRINTABLE_LO, PRINTABLE_HI = 32, 126  # ' ' .. '~'
 VOCAB_SIZE = 128
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 class CharTokenizer:
@@ -77,6 +64,7 @@ class Request:
     emitted_text: int = 0
     finished: bool = False
     finish_reason: str | None = None
+    error: str | None = None  # (the stand-in never fails one request alone)
     rounds: int = 0
     hist: list[int] = dataclasses.field(default_factory=lambda: [0] * 4)
 
@@ -102,6 +90,7 @@ class StandinScheduler:
     """Mirrors ``retrace.runtime.Scheduler``: add / step / cancel, continuous batching over slots."""
 
     block_size = 4
+    tree_budget = 0
 
     def __init__(self, runtime: StandinRuntime) -> None:
         self.rt = runtime
@@ -112,6 +101,9 @@ class StandinScheduler:
         self.cancelled: list[int] = []
         self._crash = False
         self._ids = itertools.count()
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> None:
+        """Nothing is refused up front: `add` refuses, on the engine thread (a runtime-side error)."""
 
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
         text = CharTokenizer().decode(prompt_ids)
@@ -183,6 +175,7 @@ class StandinScheduler:
 @dataclasses.dataclass
 class _Config:
     vocab_size: int = VOCAB_SIZE
+    eos_token_ids: tuple[int, ...] = ()  # the stand-in has no EOS
 
 
 @dataclasses.dataclass
@@ -191,10 +184,12 @@ class _Backend:
     max_seq_len: int
     name: str = "standin"
     target_config: _Config = dataclasses.field(default_factory=_Config)
+    drafter_config: None = None  # no drafter: its block is StandinScheduler.block_size
+    has_conditioner: bool = False
 
 
 class StandinRuntime:
-    SamplingParams = SamplingParams
+    """A ServableRuntime (retrace/runtime/serving_protocol.py) with no model."""
 
     def __init__(self, bundle_dir: str, backend: str = "onnxruntime", max_batch: int = 8,
                  step_delay_s: float = 0.005) -> None:

@@ -1,0 +1,144 @@
+"""The runtime's command-line options, declared once, and the RuntimeOptions they build.
+
+`retrace generate` and `retrace serve` take them all (`runtime_options`: the command gets `target`,
+`drafter`, `engine`, `backend` and `options`, one checked retrace.runtime.options.RuntimeOptions);
+`retrace bench` and `retrace eval` declare the ones they use with `runtime_flags` (their own defaults
+where they differ). A wrong value exits 2 with one line naming its flag. Only click is imported here, so
+`--help` stays fast and retrace.cli and retrace.serve.cli can both import this module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from retrace.cli_errors import cli_errors
+from retrace.errors import RetraceError
+
+# RuntimeOptions field -> (the command's parameter name, the flag, click.option keyword arguments; `note`:
+# the default as --help states it where it is not one value, dropped when a command gives its own default)
+FLAGS: dict[str, tuple[str, str, dict]] = {
+    "max_batch": ("max_batch", "--max-batch", dict(
+        type=int, default=None, help="batch slots", note="[default: 8, or the bundle's limit]")),
+    "max_seq_len": ("max_seq_len", "--max-seq-len", dict(
+        type=int, default=None, help="tokens per slot", note="[default: 2048, or the bundle's limit]")),
+    "block_size": ("block_size", "--block-size", dict(
+        type=int, default=None, help="tokens per draft block", note="(default: drafter's)")),
+    "threads": ("threads", "--threads", dict(type=int, default=None, help="CPU threads for the backend")),
+    "verify_bundle": ("no_verify_bundle", "--no-verify-bundle", dict(
+        is_flag=True, help="skip re-hashing the bundle's files on load (sizes are still checked)")),
+    "verify_policy": ("verify_policy", "--verify-policy", dict(
+        type=click.Choice(["adaptive", "fixed"]), default="adaptive", show_default=True,
+        help="drafts verified per round: adaptive = as many as pay for themselves on this machine (none: plain "
+             "decoding), fixed = the whole block")),
+    "tree_budget": ("tree_budget", "--tree-budget", dict(
+        type=int, default=0, show_default=True,
+        help="verify a draft tree of at most N tokens per row and round (root included; --verify-policy "
+             "adaptive picks how many pay, fixed: N); 0 = the chain")),
+    "tree_sources": ("tree_sources", "--tree-sources", dict(
+        default="topk,suffix,target", show_default=True,
+        help="where a draft tree's candidates come from: topk (the drafter's per-slot top-k), suffix (the "
+             "previous round's rejected suffix), target (the target's argmax on it)")),
+    "prompt_lookup": ("prompt_lookup", "--prompt-lookup", dict(
+        is_flag=True, help="in rounds without a drafter call, verify drafts copied from the request's own prompt "
+                           "and output (n-gram lookup; greedy requests; runtime/prompt_lookup.py)")),
+    "device": ("device", "--device", dict(
+        default=None, help="where the torch backend runs: cpu, cuda, cuda:N", note="[default: cpu]")),
+    "dtype": ("dtype", "--dtype", dict(
+        type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+        help="weights and caches of --target/--drafter", note="[default: float32]")),
+    "compile": ("compile_steps", "--compile", dict(
+        is_flag=True, help="run the torch backend's target and drafter steps under torch.compile(fullgraph=True)")),
+}
+
+SOURCE_OPTIONS = [  # where the runtime comes from (not RuntimeOptions: they pick the backend and its files)
+    click.option("--target", type=click.Path(), help="Qwen3 target HF directory"),
+    click.option("--drafter", type=click.Path(), help="DFlash drafter directory (with conditioner files)"),
+    click.option("--engine", type=click.Path(), help="engine bundle from retrace-export build"),
+    click.option("--backend", type=click.Choice(["torch", "onnxruntime", "tensorrt"]), default=None,
+                 help="torch for --target/--drafter (default), onnxruntime for --engine (default)"),
+]
+
+
+def runtime_flags(*fields: str, helps: dict[str, str] | None = None, **defaults):
+    """A decorator adding the click options of these RuntimeOptions fields (all of them if none are
+    named), in FLAGS order; `defaults` (field=value) are a command's own defaults, shown in --help;
+    `helps` (field: text) a command's own help texts."""
+    helps = helps or {}
+    unknown = [f for f in (*fields, *defaults, *helps) if f not in FLAGS]
+    if unknown:
+        raise ValueError(f"not runtime options: {unknown}")
+    chosen = [f for f in FLAGS if not fields or f in fields]
+
+    def add(fn):
+        for field in reversed(chosen):
+            param, flag, kw = FLAGS[field]
+            kw = dict(kw)
+            note = kw.pop("note", None)
+            if field in defaults:
+                kw.update(default=defaults[field], show_default=True)
+            elif note:
+                kw["help"] += " " + note
+            if field in helps:
+                kw["help"] = helps[field]
+            fn = click.option(flag, param, **kw)(fn)
+        return fn
+
+    return add
+
+
+def options_from_flags(values: dict):
+    """The command's parameters of the FLAGS (by parameter name) -> RuntimeOptions (checked; a wrong value
+    raises RetraceError naming its flag)."""
+    from retrace.runtime.options import InvalidOption, RuntimeOptions
+
+    given = {}
+    for field, (param, _, _) in FLAGS.items():
+        if param in values:
+            given[field] = values[param]
+    if "verify_bundle" in given:  # a "--no-" flag: off when given, else the backend's default
+        given["verify_bundle"] = False if given["verify_bundle"] else None
+    try:
+        return RuntimeOptions(**given)
+    except InvalidOption as e:
+        raise RetraceError(f"{FLAGS[e.field][1]} {e.problem}") from None
+
+
+def runtime_options(fn):
+    """--target/--drafter/--engine/--backend and every runtime option; the command receives `target`,
+    `drafter`, `engine`, `backend` and `options` (a RuntimeOptions, checked before the command runs)."""
+    params = {param for param, _, _ in FLAGS.values()}
+
+    @functools.wraps(fn)
+    def build(*args, **kwargs):
+        flags = {k: kwargs.pop(k) for k in list(kwargs) if k in params}
+        return fn(*args, options=options_from_flags(flags), **kwargs)
+
+    wrapped = cli_errors(build)
+    wrapped = runtime_flags()(wrapped)
+    for opt in reversed(SOURCE_OPTIONS):
+        wrapped = opt(wrapped)
+    return wrapped
+
+
+def build_runtime(target, drafter, engine, backend, options):
+    """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch), carrying
+    `options` (a RuntimeOptions) whole."""
+    from retrace.runtime import Runtime
+
+    if engine is not None:
+        if target or drafter:
+            raise RetraceError("give either --engine or --target/--drafter, not both")
+        return Runtime.from_bundle(engine, backend=backend or "onnxruntime", options=options)
+    if target is None:
+        raise RetraceError("give --target (and --drafter) or --engine")
+    from retrace.models.config import Qwen3Config
+    from retrace.runtime.options import DIRS_MAX_SEQ_LEN
+
+    max_pos = Qwen3Config.from_dir(target).max_position_embeddings
+    if options.max_seq_len is not None and options.max_seq_len > max_pos:
+        raise RetraceError(f"--max-seq-len {options.max_seq_len} exceeds the target's max_position_embeddings "
+                           f"{max_pos}")
+    options = options.replace(max_seq_len=options.max_seq_len or min(DIRS_MAX_SEQ_LEN, max_pos))
+    return Runtime.from_dirs(target, drafter, backend=backend or "torch", options=options)

@@ -1,0 +1,114 @@
+"""How a runtime runs: one frozen dataclass, each setting's default and meaning in one place, checked once.
+
+The command line builds one (retrace/cli_options.py), `Runtime.from_dirs` / `from_bundle` / `Runtime`
+take it whole (`options=`; their keyword arguments of the same names build or override one), and the
+scheduler (runtime/loop.py) reads it. What can be checked without a backend is checked here, when the
+object is made (`dataclasses.replace` makes a new one, checked again); what needs the backend (the
+drafter's block size, the backend's max length) by `block_size_for`, when a Runtime or Scheduler is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from retrace.cli_checks import check_threads
+from retrace.errors import RetraceError
+from retrace.runtime.draft_tree import SOURCES, check_budget, parse_sources
+from retrace.runtime.verify_policy import POLICIES
+
+if TYPE_CHECKING:
+    from retrace.runtime.prompt_lookup import PromptLookup
+    from retrace.runtime.verify_policy import VerifyPolicy
+
+DIRS_MAX_BATCH = 8  # batch slots of a runtime from model directories (a bundle's come from its manifest)
+DIRS_MAX_SEQ_LEN = 2048  # tokens per slot of a runtime from model directories
+
+
+class InvalidOption(RetraceError):
+    """One runtime option is wrong: ``field`` names it (the command line says its flag instead)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field, self.problem = field, problem
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    # -- the round (runtime/loop.py) --
+    block_size: int | None = None  # tokens per draft block, anchor included; None: the drafter's block_size
+    verify_policy: str | VerifyPolicy = "adaptive"  # drafts verified per round: "adaptive" (what pays on this
+    #   machine, runtime/verify_policy.py), "fixed" (the whole block: what training rollouts and `retrace eval`
+    #   measure), or a policy object (its state is the runtime's: give each runtime its own)
+    tree_budget: int = 0  # 0: chain verification; N >= 2: a draft tree of <= N nodes (root included) per row
+    #   (runtime/draft_tree.py); the policy picks how many of its best-first nodes each round verifies
+    tree_sources: str | tuple[str, ...] = SOURCES  # a tree's candidates, a comma list or a tuple of "topk"
+    #   (the drafter's top-k), "suffix" (the previous round's rejected suffix), "target" (the target's argmax
+    #   on it); kept as the validated tuple, in SOURCES order
+    prompt_lookup: bool | PromptLookup = False  # True (or a PromptLookup): in rounds without a drafter call,
+    #   verify drafts copied from the request's own tokens (runtime/prompt_lookup.py; dflash and retrace
+    #   modes, greedy rows)
+    eos_ids: tuple[int, ...] | None = None  # tokens that end a request; None: the target's eos_token_ids
+    # -- the backend --
+    max_batch: int | None = None  # batch slots; None: DIRS_MAX_BATCH for model dirs, the bundle's limit
+    max_seq_len: int | None = None  # tokens per slot; None: DIRS_MAX_SEQ_LEN for model dirs, the bundle's
+    threads: int | None = None  # CPU threads of the backend; None: the library's default
+    device: str | None = None  # "cpu" (default), "cuda", "cuda:N"; a bundle: checked against its backend's
+    dtype: str | None = None  # weights and caches of model dirs: "bfloat16", "float16", "float32" (None;
+    #   checked by runtime/device.py when the weights load); a bundle's dtype is fixed when it is built (refused)
+    compile: bool | str = False  # the torch backend's steps under torch.compile(fullgraph=True)
+    #   (runtime/compiled_step.py; a backend name such as "eager" for tests); refused for a bundle
+    verify_bundle: bool | None = None  # re-hash a bundle's files on load; None: unless RETRACE_VERIFY_BUNDLE=0
+    #   (sizes are always checked)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise RetraceError (InvalidOption for a bad number) naming the first wrong option; normalizes
+        tree_sources to its tuple and eos_ids to a tuple."""
+        for name in ("block_size", "max_batch", "max_seq_len", "threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise InvalidOption(name, f"must be positive, got {value}")
+        if self.threads is not None:
+            try:
+                check_threads(self.threads, "threads")
+            except RetraceError as e:
+                raise InvalidOption("threads", str(e).removeprefix("threads ")) from None
+        if isinstance(self.verify_policy, str) and self.verify_policy not in POLICIES:
+            raise RetraceError(f"unknown verify policy {self.verify_policy!r} (choose from {', '.join(POLICIES)})")
+        check_budget(self.tree_budget, self.block_size or 0)
+        object.__setattr__(self, "tree_sources", parse_sources(self.tree_sources))
+        if self.eos_ids is not None:
+            object.__setattr__(self, "eos_ids", tuple(int(t) for t in self.eos_ids))
+
+    def block_size_for(self, backend) -> int:
+        """The block size in use on this backend (the drafter's unless given; 1 without a drafter), after
+        checking the options against the backend: the block fits the drafter, the tree fits the max length."""
+        dc = backend.drafter_config
+        block_size = int(self.block_size or (dc.block_size if dc else 1))
+        if dc is not None and not 2 <= block_size <= dc.block_size:
+            raise RetraceError(f"block size {block_size} must be in 2..{dc.block_size} (the drafter's block_size)")
+        if self.tree_budget + 3 > backend.max_seq_len:  # one prompt token + one new token + the tree + 1
+            raise RetraceError(f"tree budget {self.tree_budget} leaves no room for any request in the max length "
+                               f"{backend.max_seq_len} (at most {backend.max_seq_len - 3})")
+        return block_size
+
+    def replace(self, **changes) -> RuntimeOptions:
+        """A copy with these fields changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, options: RuntimeOptions | None = None, **changes) -> RuntimeOptions:
+        """`options` (default: the defaults) with the keyword arguments' fields changed: what the
+        keyword-argument conveniences of Runtime / from_dirs / from_bundle build."""
+        base = options if options is not None else cls()
+        return dataclasses.replace(base, **changes) if changes else base
+
+    @classmethod
+    def split(cls, kwargs: dict) -> tuple[dict, dict]:
+        """kwargs -> (those that are RuntimeOptions fields, the rest)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return ({k: v for k, v in kwargs.items() if k in names}, {k: v for k, v in kwargs.items() if k not in names})
