@@ -204,5 +204,5 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
 from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)
 
 main.add_command(serve)
-# `python -m retrace` (retrace/__main__.py), not `python -m retrace.cli`: run as __main__, this module would
-# be imported a second time by retrace.serve.cli (a circular import, and spawn workers re-import __main__)
+# `python -m retrace` (retrace/__main__.py) runs the CLI; retrace.serve.cli imports only retrace.cli_options,
+# never this module, so the two import each other in one direction only (tests/test_import_graph.py)

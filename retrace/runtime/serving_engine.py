@@ -32,6 +32,7 @@ from typing import Any
 
 from retrace.errors import RetraceError
 from retrace.request_validation import check_prompt_text
+from retrace.runtime.sampling_params import SamplingParams
 from retrace.runtime.serving_handle import (
     EngineClosed,
     EngineFailure,
@@ -40,7 +41,6 @@ from retrace.runtime.serving_handle import (
     RequestCancelled,
     RequestRejected,
 )
-from retrace.runtime.sampling_params import SamplingParams
 from retrace.runtime.serving_metrics import ServingMetrics
 from retrace.runtime.serving_protocol import ServableRuntime, ServingScheduler
 

@@ -37,9 +37,9 @@ from typing import Any, Protocol
 
 from retrace.errors import RetraceError
 from retrace.export.triton.validation import Limits, RequestSpec
+from retrace.runtime.sampling_params import SamplingParams
 from retrace.runtime.serving_engine import ServingEngine
 from retrace.runtime.serving_handle import EngineClosed, EngineFull, Handle, RequestCancelled, RequestRejected
-from retrace.runtime.sampling_params import SamplingParams
 from retrace.runtime.serving_protocol import ServableRuntime, ServedEvent, ServingScheduler
 
 DEFAULT_BACKEND = "onnxruntime"
