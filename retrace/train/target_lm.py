@@ -38,6 +38,8 @@ if "torch" not in sys.modules:
 import torch  # noqa: E402
 
 from retrace.models.checkpoint import plain_modes  # noqa: E402
+from retrace.train import common as cm  # noqa: E402
+from retrace.train.fit import Budget, FitState, fit, follow_budget  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -282,55 +284,39 @@ def train_target(
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     curve: list[tuple[int, float]] = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=preset.steps, desc="target", unit="step", dynamic_ncols=True, leave=False, mininterval=2.0
-        )
+    fwd = [compiled(model) if preset.compile else model]
     t0 = time.perf_counter()
     c0 = time.process_time()
-    ema = None
-    fwd = compiled(model) if preset.compile else model
-    steps_run = 0
-    for step in range(preset.steps):
-        elapsed = time.perf_counter() - t0
-        if max_seconds is not None and elapsed >= max_seconds:
-            break
-        sched_step = step if max_seconds is None else max(step, int(preset.steps * elapsed / max_seconds))
-        for g in opt.param_groups:
-            g["lr"] = lr_at(min(sched_step, preset.steps - 1), preset)
+
+    def train_step(_st: FitState, backward) -> float:
         batch = next(batches).to(device, non_blocking=True)
         try:
-            loss = _lm_loss(fwd, batch, preset.bf16)
+            loss = _lm_loss(fwd[0], batch, preset.bf16)
         except Exception as e:  # noqa: BLE001 - no compiler, unsupported op, ...: the eager model is the same
-            if fwd is model:
+            if fwd[0] is model:
                 raise
             print(f"[zoo target] torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly",
                   file=sys.stderr)
-            fwd = model
-            loss = _lm_loss(fwd, batch, preset.bf16)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, preset.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        lv = loss.item()
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        steps_run = step + 1
-        if step % log_every == 0 or step == preset.steps - 1:
-            curve.append((step, round(lv, 4)))
-        if bar is not None:
-            bar.update(1)
-            if step % 10 == 0:
-                el = time.perf_counter() - t0
-                bar.set_postfix(
-                    loss=f"{ema:.3f}", tok_s=f"{(step + 1) * preset.batch_size * preset.seq_len / el:.0f}"
-                )
+            fwd[0] = model
+            loss = _lm_loss(model, batch, preset.bf16)
+        backward(loss)
+        return loss.item()
+
+    def log_curve(st: FitState) -> None:
+        if (st.step - 1) % log_every == 0 or st.step == preset.steps:
+            curve.append((st.step - 1, round(st.loss, 4)))
+
+    def postfix(st: FitState) -> dict:
+        tok_s = st.step * preset.batch_size * preset.seq_len / (time.perf_counter() - t0)
+        return {"loss": f"{st.ema:.3f}", "tok_s": f"{tok_s:.0f}"}
+
+    bar = cm.progress_bar(preset.steps, "target", progress)
+    run = fit(train_step, opt, params, Budget(preset.steps, max_seconds),
+              follow_budget(lambda s: lr_at(s, preset), preset.steps), preset.grad_clip, on_step=log_curve, bar=bar,
+              postfix=postfix)
     if bar is not None:
         bar.close()
+    steps_run, ema = run.steps_run, run.ema
     secs = time.perf_counter() - t0
     cpu = time.process_time() - c0
     tokens = steps_run * preset.batch_size * preset.seq_len
