@@ -17,7 +17,8 @@ class SeqSampler:
         self._perm = self._make()
 
     def _make(self) -> list[int]:
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)).tolist()
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
 
     def take(self, k: int) -> list[int]:
         out = []

@@ -20,7 +20,7 @@ import contextlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from retrace.train import common as cm
 from retrace.train import distributed as dist
 from retrace.train import fsdp as fs
 from retrace.train.batches import SeqSampler
+from retrace.train.config import ConditionerConfig
 from retrace.train.datasets_io import prepare_prompts
 from retrace.train.evaluate import runtime_tau
 from retrace.train.fit import Budget, FitState, fit
@@ -43,52 +44,6 @@ from retrace.train.rollout import Rollout, rollout
 from retrace.train.taps import compute_taps, load_target, pad_taps, pad_tokens
 
 TAG = "train conditioner"
-
-
-@dataclass
-class ConditionerConfig:
-    block_size: int | None = None  # default: the drafter's
-    # data
-    num_prompts: int | None = None
-    val_prompts: int = 64
-    max_prompt_len: int = 256
-    max_new_tokens: int = 128
-    rollout_prompts: int = 256  # prompts rolled out per phase (cycling through the training prompts)
-    rollout_batch: int = 64
-    rollout_temperatures: tuple[float, ...] = (0.0,)
-    # optimisation
-    phases: int = 4
-    steps_per_phase: int = 100
-    batch_size: int = 8
-    blocks_per_seq: int = 16
-    lr: float = 1e-3
-    warmup: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    gamma: float | None = None
-    gate_bias_init: float = -2.0
-    reinit: bool = False  # ignore a conditioner already beside the drafter
-    unfreeze_drafter: bool = False
-    drafter_lr: float = 1e-4
-    # bookkeeping
-    eval_prompts: int = 32
-    eval_new_tokens: int = 64
-    diagnose_seqs: int = 64  # per phase: diagnose() on this many fresh (not yet trained on) rollouts
-    stop_after: int | None = None  # end this invocation after N more phases (checkpointed; --resume continues)
-    max_train_seconds: float | None = None  # wall-time budget of rollouts + training: later steps/phases dropped
-    seed: int = 0
-    device: str = "auto"
-    bf16: bool | None = None
-    threads: int | None = None
-    chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
-    fsdp: bool = False  # --fsdp: shard the trained weights over the torchrun processes (retrace.train.fsdp)
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["rollout_temperatures"] = list(self.rollout_temperatures)
-        return d
 
 
 # -- examples from rollouts ------------------------------------------------------------------------------------
@@ -289,7 +244,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     torch.manual_seed(cfg.seed)
     state_dir = cm.conditioner_state_dir(out)
     if resume and cm.has_train_state(out, state_dir):  # before any model is loaded or rolled out
-        cm.check_resumable(out, "conditioner", cm.key_sha(_resume_key(cfg)), cfg.phases * cfg.steps_per_phase, state_dir)
+        cm.check_resumable(out, "conditioner", cm.key_sha(_resume_key(cfg)), cfg.phases * cfg.steps_per_phase,
+                           state_dir)
     dconf = DrafterConfig.from_dir(drafter_dir)
     target = load_target(target_dir, dconf.target_layer_ids, device, bf16)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, target, load_conditioner=not cfg.reinit,

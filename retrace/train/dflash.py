@@ -16,7 +16,6 @@ import hashlib
 import json
 import time
 import types
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from retrace.train import common as cm
 from retrace.train import distributed as dist
 from retrace.train import fsdp as fs
 from retrace.train.batches import SeqSampler, data_streams, sample_anchors
+from retrace.train.config import DFlashConfig
 from retrace.train.datasets_io import data_sha, prepare_prompts
 from retrace.train.evaluate import runtime_tau
 from retrace.train.fit import Budget, FitState, fit, follow_budget
@@ -42,58 +42,7 @@ from retrace.train.taps import compute_taps, load_target, pad_taps, pad_tokens, 
 TAG = "train dflash"
 
 
-@dataclass
-class DFlashConfig:
-    # drafter shape
-    block_size: int = 16
-    num_layers: int = 1
-    target_layer_ids: list[int] | None = None
-    intermediate_size: int | None = None
-    mask_token_id: int | None = None
-    init: str = "copy"  # copy (target's last layers, final norm, tap-averaging fc) | random
-    # data
-    num_prompts: int | None = None
-    val_prompts: int = 64
-    max_prompt_len: int = 256
-    max_new_tokens: int = 128
-    gen_batch: int = 64
-    gen_temperature: float = 0.0
-    soft_labels: bool = False  # KL to the target's distribution at each slot instead of CE on its token
-    gen_sample_frac: float = 0.0  # this fraction of the responses is sampled at T=1 instead (calibrates q for T>0)
-    gen_workers: int = 1  # CPU: generate the responses in this many spawned processes (one thread each;
-    # a calling script needs the usual `if __name__ == "__main__":` guard)
-    # optimisation
-    steps: int = 2000
-    batch_size: int = 8
-    grad_accum: int = 1
-    blocks_per_seq: int = 16
-    lr: float = 1e-3
-    warmup: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    gamma: float | None = None
-    # bookkeeping
-    eval_every: int = 200
-    save_every: int = 500
-    eval_tau_prompts: int = 32
-    eval_tau_new_tokens: int = 64
-    cache_taps_mb: int = 2048
-    stop_after: int | None = None  # end this invocation after N more steps (checkpointed; --resume continues)
-    max_train_seconds: float | None = None  # wall-time budget of the training loop: then finish as if at `steps`
-    seed: int = 0
-    device: str = "auto"
-    bf16: bool | None = None  # None: on for CUDA, off for CPU
-    threads: int | None = None
-    chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
-    fsdp: bool = False  # --fsdp: shard the drafter over the torchrun processes (retrace.train.fsdp)
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# -- helpers shared with the conditioner trainer -----------------------------------------------------------
+# -- the drafter: its MASK token and its initialisation ------------------------------------------------------
 def find_mask_token_id(target_dir: str | Path, vocab_size: int, given: int | None = None) -> int:
     """--mask-token-id, else `<|mask|>` in the target's tokenizer.json, else an error naming the option."""
     if given is not None:

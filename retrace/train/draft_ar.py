@@ -19,31 +19,16 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from retrace.errors import RetraceError
 from retrace.models.checkpoint import plain_modes
 from retrace.output_dir import staged_output
+from retrace.train.config import DraftArConfig
 
 META = "draft_ar.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
-
-
-@dataclass
-class DraftArConfig:
-    layers: int = 1
-    seconds: float = 90.0  # training wall-time budget (the response generation comes on top)
-    max_steps: int = 3000
-    num_prompts: int = 256
-    max_prompt_len: int = 128
-    max_new_tokens: int = 96
-    gen_batch: int = 64
-    batch_size: int = 16
-    lr: float = 2e-3
-    warmup: int = 20
-    seed: int = 0
-    threads: int = 2
 
 
 def _key(target_dir: Path, data: Path, cfg: DraftArConfig) -> dict:
