@@ -40,36 +40,39 @@ import torch  # noqa: E402
 from retrace.models.checkpoint import plain_modes  # noqa: E402
 from retrace.train import common as cm  # noqa: E402
 from retrace.train.fit import Budget, FitState, fit, follow_budget  # noqa: E402
+from retrace.train.options import setting  # noqa: E402
 
 
 @dataclass(frozen=True)
 class TargetPreset:
+    """A zoo target: its Qwen3 shape and how it trains (the presets below; `get_preset` overrides fields)."""
+
     # model
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rope_theta: float = 1_000_000.0  # Qwen3's value (a non-default theta exposes readers that ignore it)
-    tie_embeddings: bool = False
+    vocab_size: int = setting(help="vocabulary (the tokenizer's size when it is smaller)")
+    hidden_size: int = setting(help="hidden width")
+    intermediate_size: int = setting(help="SwiGLU width")
+    num_layers: int = setting(help="decoder layers")
+    num_heads: int = setting(help="query heads")
+    num_kv_heads: int = setting(help="key/value heads (GQA)")
+    head_dim: int = setting(help="width of a head")
+    max_position_embeddings: int = setting(help="longest context")
+    rope_theta: float = setting(1_000_000.0, "Qwen3's value (a non-default theta exposes readers that ignore it)")
+    tie_embeddings: bool = setting(False, "the LM head shares the input embedding")
     # training
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 100
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    bf16: bool = False  # see the module docstring (numerics)
-    compile: bool = False  # torch.compile the training forward/backward (falls back to eager if it fails)
-    init_std: float = 0.02
+    seq_len: int = setting(256, "tokens per training window")
+    batch_size: int = setting(16, "windows per step")
+    steps: int = setting(100, "optimizer steps")
+    lr: float = setting(2e-3, "peak learning rate")
+    min_lr_ratio: float = setting(0.1, "the cosine schedule ends at this fraction of lr")
+    warmup_steps: int = setting(20, "linear warmup steps")
+    weight_decay: float = setting(0.1, "AdamW weight decay (linear weights only)")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")
+    grad_clip: float = setting(1.0, "gradient-norm clipping")
+    bf16: bool = setting(False, "bf16 autocast: see the module docstring (numerics)")
+    compile: bool = setting(False, "torch.compile the training forward/backward (falls back to eager if it fails)")
+    init_std: float = setting(0.02, "std of the initial weights")
     # evaluation
-    eval_tokens: int = 32_768
+    eval_tokens: int = setting(32_768, "held-out tokens of the perplexity")
 
     def to_dict(self) -> dict:
         d = asdict(self)
