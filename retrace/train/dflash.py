@@ -35,8 +35,7 @@ from retrace.train.datasets_io import data_sha, prepare_prompts
 from retrace.train.evaluate import runtime_tau
 from retrace.train.fit import Budget, FitState, fit, follow_budget
 from retrace.train.outputs import drop_stale_conditioner
-from retrace.train.response_cache import cached_responses, save_taps_cache
-from retrace.train.rollout import generate, generate_shard
+from retrace.train.response_cache import cached_responses, save_taps_cache, target_responses
 from retrace.train.taps import compute_taps, load_target, pad_taps, pad_tokens, target_taps
 
 TAG = "train dflash"
@@ -228,41 +227,9 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     est_tokens = sum(len(all_p[i]) for i in mine) + len(mine) * cfg.max_new_tokens
     cache = not cfg.soft_labels and est_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
 
-    def gen_group(prompts, temperature, seed, with_taps):
-        if cfg.gen_workers > 1 and device.type == "cpu" and len(prompts) > 1:
-            parts = cm.parallel_map(generate_shard, [
-                (str(target_dir), tuple(dconf.target_layer_ids), prompts[r.start : r.stop], cfg.max_new_tokens,
-                 cfg.gen_batch, temperature, seed + r.start, with_taps)
-                for r in cm.shards(len(prompts), cfg.gen_workers)], cfg.gen_workers)
-            if with_taps:
-                return [o for p in parts for o in p[0]], [t for p in parts for t in p[1]]
-            return [o for p in parts for o in p], None
-        bar = _token_bar(progress, len(prompts) * cfg.max_new_tokens, "responses")
-        res = generate(target, prompts, cfg.max_new_tokens, cfg.gen_batch, temperature, seed, device,
-                       progress=(lambda n: bar.update(n)) if bar else None, return_taps=with_taps)
-        if bar:
-            bar.close()
-        return res if with_taps else (res, None)
-
     def make(ix_list, with_taps):
-        cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target"
-                              + (f" ({cfg.gen_workers} processes)" if cfg.gen_workers > 1 and device.type == "cpu" else "")
-                              + (f" ({d.world} ranks)" if d.active else "")
-                              + (f", {cfg.gen_sample_frac:.0%} sampled at T=1" if cfg.gen_sample_frac else ""))
-        g = torch.Generator().manual_seed(cfg.seed + 99)
-        sampled = (torch.rand(len(all_p), generator=g) < cfg.gen_sample_frac).tolist()
-        outs, taps = {}, {}
-        for flag, temp in ((False, cfg.gen_temperature), (True, 1.0)):
-            ix = [i for i in ix_list if sampled[i] == flag]
-            if not ix:
-                continue
-            seed = cfg.seed + (50_000 if flag else 0) + 1_000_003 * d.rank
-            o, t = gen_group([all_p[i] for i in ix], temp, seed, with_taps)
-            for j, i in enumerate(ix):
-                outs[i] = o[j]
-                if t is not None:
-                    taps[i] = t[j]
-        return [outs[i] for i in ix_list], ([taps[i] for i in ix_list] if with_taps else None)
+        return target_responses(target, target_dir, dconf.target_layer_ids, all_p, ix_list, with_taps, cfg, device, d,
+                                progress)
 
     responses, taps_by = cached_responses(out / "train_data", key, make, cache, len(all_p), mine, d)
     gen_s = time.perf_counter() - t0
@@ -422,14 +389,6 @@ def _resume_key(cfg: DFlashConfig) -> dict:
     if not d.get("chat"):
         d.pop("chat", None)  # checkpoints from before --chat existed resume
     return d
-
-
-def _token_bar(progress: bool, total: int, desc: str):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", dynamic_ncols=True, leave=False, mininterval=1.0)
 
 
 __all__ = ["DFlashConfig", "train_dflash", "find_mask_token_id", "compute_taps", "init_drafter"]

@@ -12,6 +12,9 @@ import torch
 from retrace.models.checkpoint import atomic_write_text
 from retrace.train import common as cm
 from retrace.train import distributed as dist
+from retrace.train import rollout
+
+TAG = "train dflash"
 
 
 def cached_responses(cache_dir: Path, key: dict, make, with_taps: bool, n: int, mine: list[int],
@@ -86,4 +89,55 @@ def save_taps_cache(cache_dir: Path, key: dict, taps: dict[int, torch.Tensor], d
     tmp.replace(tf)
 
 
-__all__ = ["cached_responses", "load_taps_cache", "save_taps_cache"]
+def target_responses(target, target_dir: Path, tap_layers, prompts: list[list[int]], indices: list[int],
+                     with_taps: bool, cfg, device: torch.device, d: dist.Dist, progress: bool):
+    """The target's responses to prompts[i] for i in `indices` (cfg: a DFlashConfig), and their taps when
+    with_taps: greedy (or at cfg.gen_temperature), a seeded cfg.gen_sample_frac of them sampled at T=1; on
+    CPU in cfg.gen_workers processes. -> (responses, taps or None), aligned with `indices`."""
+    cm.log(progress, TAG, f"generating {len(prompts)} responses x {cfg.max_new_tokens} tokens with the target"
+                          + (f" ({cfg.gen_workers} processes)" if cfg.gen_workers > 1 and device.type == "cpu" else "")
+                          + (f" ({d.world} ranks)" if d.active else "")
+                          + (f", {cfg.gen_sample_frac:.0%} sampled at T=1" if cfg.gen_sample_frac else ""))
+    g = torch.Generator().manual_seed(cfg.seed + 99)
+    sampled = (torch.rand(len(prompts), generator=g) < cfg.gen_sample_frac).tolist()
+    outs, taps = {}, {}
+    for flag, temp in ((False, cfg.gen_temperature), (True, 1.0)):
+        ix = [i for i in indices if sampled[i] == flag]
+        if not ix:
+            continue
+        seed = cfg.seed + (50_000 if flag else 0) + 1_000_003 * d.rank
+        o, t = _generate(target, target_dir, tap_layers, [prompts[i] for i in ix], temp, seed, with_taps, cfg, device,
+                         progress)
+        for j, i in enumerate(ix):
+            outs[i] = o[j]
+            if t is not None:
+                taps[i] = t[j]
+    return [outs[i] for i in indices], ([taps[i] for i in indices] if with_taps else None)
+
+
+def _generate(target, target_dir, tap_layers, prompts, temperature, seed, with_taps, cfg, device, progress):
+    if cfg.gen_workers > 1 and device.type == "cpu" and len(prompts) > 1:
+        parts = cm.parallel_map(rollout.generate_shard, [
+            (str(target_dir), tuple(tap_layers), prompts[r.start : r.stop], cfg.max_new_tokens,
+             cfg.gen_batch, temperature, seed + r.start, with_taps)
+            for r in cm.shards(len(prompts), cfg.gen_workers)], cfg.gen_workers)
+        if with_taps:
+            return [o for p in parts for o in p[0]], [t for p in parts for t in p[1]]
+        return [o for p in parts for o in p], None
+    bar = _token_bar(progress, len(prompts) * cfg.max_new_tokens, "responses")
+    res = rollout.generate(target, prompts, cfg.max_new_tokens, cfg.gen_batch, temperature, seed, device,
+                           progress=(lambda n: bar.update(n)) if bar else None, return_taps=with_taps)
+    if bar:
+        bar.close()
+    return res if with_taps else (res, None)
+
+
+def _token_bar(progress: bool, total: int, desc: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", dynamic_ncols=True, leave=False, mininterval=1.0)
+
+
+__all__ = ["cached_responses", "load_taps_cache", "save_taps_cache", "target_responses"]
