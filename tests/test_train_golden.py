@@ -25,28 +25,12 @@ GOLDEN = {
         "retrace.safetensors": "d13a9c53a8d93221",
         "retrace_config.json": "d036a9f5f9c1926b"
     },
-    "conditioner_resumed": {
-        "conditioner_state/state.json": "54ad63eb0e7ba45d",
-        "conditioner_state/state.safetensors": "2cb986822d8df9a4",
-        "config.json": "f1deb0f04e98a21e",
-        "model.safetensors": "1e6819bc27db0133",
-        "retrace.safetensors": "d13a9c53a8d93221",
-        "retrace_config.json": "d036a9f5f9c1926b"
-    },
     "dflash": {
         "config.json": "74cf611a6bd1f207",
         "model.safetensors": "ad8f8d53d3917b1c",
         "train_data/responses.json": "7dba40e934d6bcec",
         "train_data/taps.safetensors": "31f5d3579ee25678",
         "train_state/state.json": "75b73cf25c63eb0a",
-        "train_state/state.safetensors": "5cbdb30e437b8acd"
-    },
-    "dflash_resumed": {
-        "config.json": "74cf611a6bd1f207",
-        "model.safetensors": "ad8f8d53d3917b1c",
-        "train_data/responses.json": "7dba40e934d6bcec",
-        "train_data/taps.safetensors": "31f5d3579ee25678",
-        "train_state/state.json": "3d46299246420b08",
         "train_state/state.safetensors": "5cbdb30e437b8acd"
     },
     "draft_ar": {
@@ -58,6 +42,8 @@ GOLDEN = {
         "model.safetensors": "2d975055468a63c6"
     }
 }
+# a run stopped and resumed writes the same files, but its log restarts the loss EMA at the stop
+RESUMED_DFLASH_STATE = "3d46299246420b08"
 
 
 def test_the_trainers_write_the_pinned_bytes(tmp_path):
@@ -70,9 +56,9 @@ def test_the_trainers_write_the_pinned_bytes(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout)
-    changed = {k: {f: (got[k].get(f), h) for f, h in v.items() if got[k].get(f) != h} for k, v in GOLDEN.items()}
-    assert got == GOLDEN, changed
+    runs = {k: v for k, v in got.items() if not k.endswith("_resumed")}
+    changed = {k: {f: (runs[k].get(f), h) for f, h in v.items() if runs[k].get(f) != h} for k, v in GOLDEN.items()}
+    assert runs == GOLDEN, changed
     # a stop and --resume continues exactly: the same weights, optimizer state and files as one run
-    for run_, resumed in (("dflash", "dflash_resumed"), ("conditioner", "conditioner_resumed")):
-        same = {f for f in got[run_] if f != "train_state/state.json"}  # its history has the EMA restarted at the stop
-        assert {f: got[resumed][f] for f in same} == {f: got[run_][f] for f in same}
+    assert got["conditioner_resumed"] == got["conditioner"]
+    assert got["dflash_resumed"] == dict(got["dflash"], **{"train_state/state.json": RESUMED_DFLASH_STATE})

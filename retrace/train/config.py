@@ -29,22 +29,28 @@ _SHARED = {
     "stop_after": "end this run after N more steps (dflash) / phases (conditioner), checkpointed; --resume "
                   "continues",
     "max_train_seconds": "wall-time budget of the training: then finish as if at the last step",
-    "seed": "",
-    "device": "auto | cpu | cuda | cuda:N",
-    "bf16": "bf16 autocast (default: on for CUDA, off for CPU)",
-    "threads": "CPU threads",
-    "chat": "rows are conversations ('messages'): rendered through the target tokenizer's chat template with the "
-            "generation prompt; the target regenerates the replies",
-    "fsdp": "under torchrun: shard the trained weights, their gradients and AdamW state over the processes (FSDP2) "
-            "instead of replicating them (DDP); checkpoints are gathered, so --resume works with or without --fsdp "
-            "and at any world size",
-    "extra": "free-form notes kept with the run's config",
 }
 
 
 @dataclass
-class DFlashConfig:
-    """`retrace train dflash`: distil a DFlash drafter from a frozen target on the target's own responses."""
+class _RunSettings:
+    """The last settings of every drafter / conditioner run (a config class lists this base first: dataclasses
+    take the fields of the bases in reverse order, so these come after the trainer's own)."""
+
+    seed: int = setting(0, "")
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    bf16: bool | None = setting(None, "bf16 autocast (default: on for CUDA, off for CPU)")
+    threads: int | None = setting(None, "CPU threads")
+    chat: bool = setting(False, "rows are conversations ('messages'): rendered through the target tokenizer's chat "
+                                "template with the generation prompt; the target regenerates the replies")
+    fsdp: bool = setting(False, "under torchrun: shard the trained weights, their gradients and AdamW state over the "
+                                "processes (FSDP2) instead of replicating them (DDP); checkpoints are gathered, so "
+                                "--resume works with or without --fsdp and at any world size")
+    extra: dict = setting(help="free-form notes kept with the run's config", default_factory=dict, cli=False)
+
+
+@dataclass
+class _DFlashSettings:  # train dflash's own settings (DFlashConfig: these, then _RunSettings)
 
     # drafter shape
     block_size: int = setting(16, "tokens per draft block (the anchor and B-1 mask slots)")
@@ -88,21 +94,18 @@ class DFlashConfig:
                                        "batch", cli=False)
     stop_after: int | None = setting(None, _SHARED["stop_after"])
     max_train_seconds: float | None = setting(None, _SHARED["max_train_seconds"], cli=False)
-    seed: int = setting(0, _SHARED["seed"])
-    device: str = setting("auto", _SHARED["device"])
-    bf16: bool | None = setting(None, _SHARED["bf16"])
-    threads: int | None = setting(None, _SHARED["threads"])
-    chat: bool = setting(False, _SHARED["chat"])
-    fsdp: bool = setting(False, _SHARED["fsdp"])
-    extra: dict = setting(help=_SHARED["extra"], default_factory=dict, cli=False)
+
+
+@dataclass
+class DFlashConfig(_RunSettings, _DFlashSettings):
+    """`retrace train dflash`: distil a DFlash drafter from a frozen target on the target's own responses."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 @dataclass
-class ConditionerConfig:
-    """`retrace train conditioner`: train the ReTrace conditioner on-policy on a frozen drafter and target."""
+class _ConditionerSettings:  # train conditioner's own settings (ConditionerConfig: these, then _RunSettings)
 
     block_size: int | None = setting(None, "default: the drafter's")
     # data
@@ -136,13 +139,11 @@ class ConditionerConfig:
     stop_after: int | None = setting(None, _SHARED["stop_after"])
     max_train_seconds: float | None = setting(None, "wall-time budget of rollouts + training: later steps and phases "
                                                     "are dropped", cli=False)
-    seed: int = setting(0, _SHARED["seed"])
-    device: str = setting("auto", _SHARED["device"])
-    bf16: bool | None = setting(None, _SHARED["bf16"])
-    threads: int | None = setting(None, _SHARED["threads"])
-    chat: bool = setting(False, _SHARED["chat"])
-    fsdp: bool = setting(False, _SHARED["fsdp"])
-    extra: dict = setting(help=_SHARED["extra"], default_factory=dict, cli=False)
+
+
+@dataclass
+class ConditionerConfig(_RunSettings, _ConditionerSettings):
+    """`retrace train conditioner`: train the ReTrace conditioner on-policy on a frozen drafter and target."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
