@@ -297,6 +297,7 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
 
     def schedule(s: int, _spent) -> float:  # by step: a time budget drops the later steps and phases
         return cm.lr_at(s, total_steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+
     phase, step, history = 0, 0, []
     rng_name = "rounds" if d.rank == 0 else f"rounds.{d.rank}"
     rgen = torch.Generator().manual_seed(cfg.seed + 11 + 7919 * d.rank)
