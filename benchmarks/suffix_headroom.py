@@ -37,7 +37,7 @@ from retrace.models.config import DrafterConfig
 from retrace.models.drafter import load_pair
 from retrace.train import blocks as bl
 from retrace.train.conditioner import ConditionerConfig, collate, collect, pick_rounds
-from retrace.train.dflash import prepare_prompts
+from retrace.train.datasets_io import prepare_prompts
 
 F_GRID = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.01)  # fresh-draft confidence below ...
 M_GRID = (0.0, 0.2, 0.4, 0.6, 0.8)  # ... and memory reliability above

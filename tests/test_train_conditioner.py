@@ -14,8 +14,8 @@ from helpers import max_diff
 from retrace.runtime.suffix_memory import align, suffix_features
 from retrace.train import blocks as bl
 from retrace.train.conditioner import ConditionerConfig, Examples, block_losses, collate, train_conditioner
-from retrace.train.dflash import compute_taps
 from retrace.train.rollout import rollout
+from retrace.train.taps import compute_taps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

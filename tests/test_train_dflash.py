@@ -93,8 +93,8 @@ def test_mask_token_lookup(tmp_path):
 
 def test_taps_captured_while_generating_equal_clean_taps(setup):
     from retrace.models.target import Qwen3Target
-    from retrace.train.dflash import compute_taps
     from retrace.train.rollout import generate
+    from retrace.train.taps import compute_taps
 
     target_dir, _ = setup
     t = Qwen3Target.from_pretrained(target_dir, tap_layers=(1,))
@@ -144,7 +144,8 @@ def test_soft_labels_training_matches_the_target_distribution_better(setup, tmp_
     validation KL to the target is lower than a hard-label drafter's (what raises T=1 acceptance)."""
     from retrace.models.drafter import load_pair
     from retrace.train import blocks as bl
-    from retrace.train.dflash import _batch_forward, _Data, sample_anchors
+    from retrace.train.batches import sample_anchors
+    from retrace.train.dflash import _batch_forward, _Data
 
     target, prompts = setup
     kls = {}

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 
 from retrace.errors import RetraceError
 from retrace.train import datasets_io as dio
-from retrace.train.dflash import DFlashConfig, data_streams, prepare_prompts, train_dflash
+from retrace.train.batches import data_streams
+from retrace.train.datasets_io import prepare_prompts
+from retrace.train.dflash import DFlashConfig, train_dflash
 from retrace.train.distributed import grad_accum_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,6 +14,7 @@ from test_train_dflash import small_cfg, write_prompts
 
 from retrace.errors import RetraceError
 from retrace.train import dflash as dflash_mod
+from retrace.train import rollout as rollout_mod
 from retrace.train.conditioner import ConditionerConfig, train_conditioner
 from retrace.train.dflash import train_dflash
 
@@ -68,12 +69,12 @@ def test_conditioner_beside_the_drafter_keeps_its_checkpoint_resumable(setup, tm
     # --force over it: a staged run (its responses cache linked in: nothing regenerated) that replaces it
     forced = _copy(d, tmp_path / "forced")
     (forced / "retrace.safetensors").write_bytes(b"a stale conditioner")
-    generate = dflash_mod.generate
-    dflash_mod.generate = lambda *a, **k: pytest.fail("regenerated the cached responses")
+    generate = rollout_mod.generate  # the target's generation (retrace.train.response_cache calls it there)
+    rollout_mod.generate = lambda *a, **k: pytest.fail("regenerated the cached responses")
     try:
         train_dflash(target, forced, prompts, small_cfg(**CFG), force=True, progress=False)
     finally:
-        dflash_mod.generate = generate
+        rollout_mod.generate = generate
     _same_weights(full, forced)
     assert not (forced / "retrace.safetensors").exists()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp sibling left
@@ -94,7 +95,7 @@ def test_refused_resume_generates_nothing_and_keeps_train_data(setup, tmp_path, 
     def no_generation(*a, **k):
         raise AssertionError("the target generated responses before the resume was refused")
 
-    monkeypatch.setattr(dflash_mod, "generate", no_generation)
+    monkeypatch.setattr(rollout_mod, "generate", no_generation)
     monkeypatch.setattr(dflash_mod, "load_target", no_generation)
     with pytest.raises(RetraceError, match="made with different settings"):
         train_dflash(target, d, prompts, small_cfg(**CFG, **change), resume=True, progress=False)

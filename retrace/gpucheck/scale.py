@@ -220,7 +220,7 @@ def evaluate(c: ScaleConfig, work: Path, device, result: dict, save=None) -> Non
         import tempfile
 
         from benchmarks import suffix_headroom as sh
-        from retrace.train.dflash import prepare_prompts
+        from retrace.train.datasets_io import prepare_prompts
 
         train, _ = prepare_prompts(work / "target", work / "data" / "train_prompts.jsonl", 256, None, 64, 0)
         with tempfile.TemporaryDirectory() as tmp:

@@ -11,6 +11,7 @@ so a crash leaves either the previous checkpoint or the new one, never half of o
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -262,6 +263,11 @@ def check_resumable(out_dir: str | Path, kind: str, config_sha: str, max_step: i
 
 
 # -- data ---------------------------------------------------------------------------------------------------
+def key_sha(obj) -> str:
+    """16 hex digits of the sha256 of `obj` as sorted JSON: the key of a run's settings or cached data."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
 # read_prompts_jsonl lives in retrace.runtime.prompts (one reader for the CLI, training and benchmarks)
 def encode_prompts(rows: list[dict], codec) -> list[list[int]]:
     out = []

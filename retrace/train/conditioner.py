@@ -20,7 +20,7 @@ import contextlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,65 +35,15 @@ from retrace.train import blocks as bl
 from retrace.train import common as cm
 from retrace.train import distributed as dist
 from retrace.train import fsdp as fs
-from retrace.train.dflash import (
-    SeqSampler,
-    _sha,
-    compute_taps,
-    load_target,
-    pad_taps,
-    pad_tokens,
-    prepare_prompts,
-    runtime_tau,
-)
+from retrace.train.batches import SeqSampler
+from retrace.train.config import ConditionerConfig
+from retrace.train.datasets_io import prepare_prompts
+from retrace.train.evaluate import runtime_tau
+from retrace.train.fit import Budget, FitState, fit
 from retrace.train.rollout import Rollout, rollout
+from retrace.train.taps import compute_taps, load_target, pad_taps, pad_tokens
 
 TAG = "train conditioner"
-
-
-@dataclass
-class ConditionerConfig:
-    block_size: int | None = None  # default: the drafter's
-    # data
-    num_prompts: int | None = None
-    val_prompts: int = 64
-    max_prompt_len: int = 256
-    max_new_tokens: int = 128
-    rollout_prompts: int = 256  # prompts rolled out per phase (cycling through the training prompts)
-    rollout_batch: int = 64
-    rollout_temperatures: tuple[float, ...] = (0.0,)
-    # optimisation
-    phases: int = 4
-    steps_per_phase: int = 100
-    batch_size: int = 8
-    blocks_per_seq: int = 16
-    lr: float = 1e-3
-    warmup: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    gamma: float | None = None
-    gate_bias_init: float = -2.0
-    reinit: bool = False  # ignore a conditioner already beside the drafter
-    unfreeze_drafter: bool = False
-    drafter_lr: float = 1e-4
-    # bookkeeping
-    eval_prompts: int = 32
-    eval_new_tokens: int = 64
-    diagnose_seqs: int = 64  # per phase: diagnose() on this many fresh (not yet trained on) rollouts
-    stop_after: int | None = None  # end this invocation after N more phases (checkpointed; --resume continues)
-    max_train_seconds: float | None = None  # wall-time budget of rollouts + training: later steps/phases dropped
-    seed: int = 0
-    device: str = "auto"
-    bf16: bool | None = None
-    threads: int | None = None
-    chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
-    fsdp: bool = False  # --fsdp: shard the trained weights over the torchrun processes (retrace.train.fsdp)
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["rollout_temperatures"] = list(self.rollout_temperatures)
-        return d
 
 
 # -- examples from rollouts ------------------------------------------------------------------------------------
@@ -294,7 +244,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     torch.manual_seed(cfg.seed)
     state_dir = cm.conditioner_state_dir(out)
     if resume and cm.has_train_state(out, state_dir):  # before any model is loaded or rolled out
-        cm.check_resumable(out, "conditioner", _sha(_resume_key(cfg)), cfg.phases * cfg.steps_per_phase, state_dir)
+        cm.check_resumable(out, "conditioner", cm.key_sha(_resume_key(cfg)), cfg.phases * cfg.steps_per_phase,
+                           state_dir)
     dconf = DrafterConfig.from_dir(drafter_dir)
     target = load_target(target_dir, dconf.target_layer_ids, device, bf16)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, target, load_conditioner=not cfg.reinit,
@@ -343,6 +294,10 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         opt.add_param_group({"params": [p for _, p in dnamed], "weight_decay": cfg.weight_decay, "lr": cfg.drafter_lr})
     lr_scale = [g["lr"] / cfg.lr for g in opt.param_groups]
     total_steps = cfg.phases * cfg.steps_per_phase
+
+    def schedule(s: int, _spent) -> float:  # by step: a time budget drops the later steps and phases
+        return cm.lr_at(s, total_steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
+
     phase, step, history = 0, 0, []
     rng_name = "rounds" if d.rank == 0 else f"rounds.{d.rank}"
     rgen = torch.Generator().manual_seed(cfg.seed + 11 + 7919 * d.rank)
@@ -359,7 +314,7 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         states = d.all_gather(rgen.get_state())
         full, full_opt = fs.gather_train_state(model, params, opt)  # --fsdp: unsharded, on rank 0
         if d.is_main:
-            info = {"kind": "conditioner", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
+            info = {"kind": "conditioner", "config": cfg.to_dict(), "config_sha": cm.key_sha(_resume_key(cfg)),
                     "phase": phase_now, "world_size": d.world, "fsdp": fs.is_sharded(model), "history": history}
             rng = {("rounds" if r == 0 else f"rounds.{r}"): st for r, st in enumerate(states)}
             cm.save_train_state(out, full, full_opt, step, info, rng=rng, state=state_dir)
@@ -424,36 +379,13 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         t0 = time.perf_counter()
         drafter.train()
         sampler = SeqSampler(len(use), cfg.seed + phase + 7919 * d.rank)
-        tot, btot, gs, gw = {}, {}, 0.0, 0.0
-        for i_step in range(cfg.steps_per_phase):
-            if i_step and out_of_time():
-                break
-            lr = cm.lr_at(step, total_steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
-            for g, sc in zip(opt.param_groups, lr_scale, strict=True):
-                g["lr"] = lr * sc
-            idx = [use[i] for i in sampler.take(cfg.batch_size)]
-            picks = pick_rounds(ex, idx, cfg.blocks_per_seq, rgen)
-            loss, st, base, (g, w) = block_losses(drafter, ex, idx, picks, B, weights, device, bf16, i_step % 4 == 0,
-                                                  model)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss at step {step}")
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            bl.merge_stats(tot, st)
-            if base is not None:
-                bl.merge_stats(btot, {f"b_{k}": v for k, v in st.items()})
-                bl.merge_stats(btot, base)
-            gs, gw = gs + g, gw + w
-            if bar is not None:
-                bar.update(1)
-                post = {"loss": f"{tot['loss_sum'] / max(tot['weight_sum'], 1e-8):.3f}",
-                        "gate": f"{gs / max(gw, 1e-8):.3f}"}
-                if "retrace_tau" in last:
-                    post["val_tau"] = f"{last['retrace_tau']:.2f}"
-                bar.set_postfix(post)
+        steps = _PhaseSteps(drafter, model, ex, use, sampler, rgen, B, weights, device, bf16, cfg, last)
+        # each phase trains at least one step; the time budget covers the rollouts too (clock: since t_loop)
+        budget = Budget(total_steps, cfg.max_train_seconds, step + cfg.steps_per_phase, min_steps=1)
+        step = fit(steps, opt, list(params.values()), budget, schedule, cfg.grad_clip, start=step,
+                   lr_scale=lr_scale, bar=bar, postfix=steps.postfix, clock=lambda: time.perf_counter() - t_loop,
+                   sync=d.broadcast).step
+        tot, btot, gs, gw = steps.tot, steps.btot, steps.gs, steps.gw
         train_s += time.perf_counter() - t0
         tot, btot = d.sum_stats(tot), d.sum_stats(btot)
         gs, gw = d.sum_stats({"gs": gs, "gw": gw}).values()
@@ -490,6 +422,37 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
     if d.is_main:
         atomic_write_text(out / "conditioner_train.json", json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+class _PhaseSteps:
+    """The training steps of one phase (fit's step function): batches of the recorded rounds of its rollouts;
+    sums the loss stats (with the DFlash baseline on every 4th step) and the gate."""
+
+    def __init__(self, drafter, model, ex: Examples, use: list[int], sampler, rgen, B, weights, device, bf16,
+                 cfg: ConditionerConfig, last: dict):
+        self.drafter, self.model, self.ex, self.use, self.sampler, self.rgen = drafter, model, ex, use, sampler, rgen
+        self.B, self.weights, self.device, self.bf16, self.cfg, self.last = B, weights, device, bf16, cfg, last
+        self.tot, self.btot, self.gs, self.gw = {}, {}, 0.0, 0.0
+
+    def __call__(self, st: FitState, backward) -> float:
+        idx = [self.use[i] for i in self.sampler.take(self.cfg.batch_size)]
+        picks = pick_rounds(self.ex, idx, self.cfg.blocks_per_seq, self.rgen)
+        loss, stats, base, (g, w) = block_losses(self.drafter, self.ex, idx, picks, self.B, self.weights, self.device,
+                                                 self.bf16, st.steps_run % 4 == 0, self.model)
+        backward(loss)
+        bl.merge_stats(self.tot, stats)
+        if base is not None:
+            bl.merge_stats(self.btot, {f"b_{k}": v for k, v in stats.items()})
+            bl.merge_stats(self.btot, base)
+        self.gs, self.gw = self.gs + g, self.gw + w
+        return float(loss.detach())
+
+    def postfix(self, _st: FitState) -> dict:
+        post = {"loss": f"{self.tot['loss_sum'] / max(self.tot['weight_sum'], 1e-8):.3f}",
+                "gate": f"{self.gs / max(self.gw, 1e-8):.3f}"}
+        if "retrace_tau" in self.last:
+            post["val_tau"] = f"{self.last['retrace_tau']:.2f}"
+        return post
 
 
 def _paired(btot: dict) -> dict:

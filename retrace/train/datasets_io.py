@@ -20,6 +20,8 @@ from pathlib import Path
 
 from retrace.digest import sha256_named_files
 from retrace.errors import RetraceError
+from retrace.runtime.tokenizer import TextCodec
+from retrace.train.common import split_validation
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -180,4 +182,23 @@ def plain_prompts(rows: list[dict], codec, where: str = "--data") -> list[list[i
     return out
 
 
-__all__ = ["read_rows", "data_sha", "chat_prompts", "chat_tokenizer", "plain_prompts"]
+def prepare_prompts(target_dir, data: str | Path, max_prompt_len: int, num: int | None, val: int,
+                    seed: int, chat: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+    """Read (JSONL, Parquet, a `datasets` directory; chat rows through the target's chat template with
+    --chat), encode, left-truncate to max_prompt_len, take the first `num`, split (train, validation)."""
+    rows = read_rows(data)
+    if chat:
+        ids = chat_prompts(rows, target_dir, str(data))
+    else:
+        ids = plain_prompts(rows, TextCodec.find(target_dir), str(data))
+    kept = [p[-max_prompt_len:] for p in ids if p]
+    if not kept:
+        raise RetraceError(f"{data}: all {len(ids)} prompts are empty (no tokens); training needs non-empty prompts")
+    ids = kept
+    if num is not None:
+        ids = ids[:num]
+    tr, va = split_validation(len(ids), val, seed)
+    return [ids[i] for i in tr], [ids[i] for i in va]
+
+
+__all__ = ["read_rows", "prepare_prompts", "data_sha", "chat_prompts", "chat_tokenizer", "plain_prompts"]

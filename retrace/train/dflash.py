@@ -12,11 +12,9 @@ embedding makes all block slots identical). Writes the z-lab checkpoint format.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import types
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,69 +25,23 @@ from retrace.models.checkpoint import atomic_write_text
 from retrace.models.config import Qwen3Config
 from retrace.models.drafter import DFlashDrafter, new_drafter_config
 from retrace.models.target import Qwen3Target
-from retrace.runtime.tokenizer import TextCodec
 from retrace.train import blocks as bl
 from retrace.train import common as cm
 from retrace.train import distributed as dist
 from retrace.train import fsdp as fs
+from retrace.train.batches import SeqSampler, data_streams, sample_anchors
+from retrace.train.config import DFlashConfig
+from retrace.train.datasets_io import data_sha, prepare_prompts
+from retrace.train.evaluate import runtime_tau
+from retrace.train.fit import Budget, FitState, fit, follow_budget
 from retrace.train.outputs import drop_stale_conditioner
-from retrace.train.rollout import generate, generate_shard, make_backend, run_requests
+from retrace.train.response_cache import cached_responses, save_taps_cache, target_responses
+from retrace.train.taps import compute_taps, load_target, pad_taps, pad_tokens, target_taps
 
 TAG = "train dflash"
 
 
-@dataclass
-class DFlashConfig:
-    # drafter shape
-    block_size: int = 16
-    num_layers: int = 1
-    target_layer_ids: list[int] | None = None
-    intermediate_size: int | None = None
-    mask_token_id: int | None = None
-    init: str = "copy"  # copy (target's last layers, final norm, tap-averaging fc) | random
-    # data
-    num_prompts: int | None = None
-    val_prompts: int = 64
-    max_prompt_len: int = 256
-    max_new_tokens: int = 128
-    gen_batch: int = 64
-    gen_temperature: float = 0.0
-    soft_labels: bool = False  # KL to the target's distribution at each slot instead of CE on its token
-    gen_sample_frac: float = 0.0  # this fraction of the responses is sampled at T=1 instead (calibrates q for T>0)
-    gen_workers: int = 1  # CPU: generate the responses in this many spawned processes (one thread each;
-    # a calling script needs the usual `if __name__ == "__main__":` guard)
-    # optimisation
-    steps: int = 2000
-    batch_size: int = 8
-    grad_accum: int = 1
-    blocks_per_seq: int = 16
-    lr: float = 1e-3
-    warmup: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    gamma: float | None = None
-    # bookkeeping
-    eval_every: int = 200
-    save_every: int = 500
-    eval_tau_prompts: int = 32
-    eval_tau_new_tokens: int = 64
-    cache_taps_mb: int = 2048
-    stop_after: int | None = None  # end this invocation after N more steps (checkpointed; --resume continues)
-    max_train_seconds: float | None = None  # wall-time budget of the training loop: then finish as if at `steps`
-    seed: int = 0
-    device: str = "auto"
-    bf16: bool | None = None  # None: on for CUDA, off for CPU
-    threads: int | None = None
-    chat: bool = False  # --chat: prompts are `messages` rendered through the target's chat template
-    fsdp: bool = False  # --fsdp: shard the drafter over the torchrun processes (retrace.train.fsdp)
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# -- helpers shared with the conditioner trainer -----------------------------------------------------------
+# -- the drafter: its MASK token and its initialisation ------------------------------------------------------
 def find_mask_token_id(target_dir: str | Path, vocab_size: int, given: int | None = None) -> int:
     """--mask-token-id, else `<|mask|>` in the target's tokenizer.json, else an error naming the option."""
     if given is not None:
@@ -119,57 +71,6 @@ def mask_row_check(target: Qwen3Target, mask_id: int) -> dict:
     ratio = float(norms[mask_id] / norms.mean().clamp_min(1e-12))
     return {"mask_norm": round(float(norms[mask_id]), 5), "mean_norm": round(float(norms.mean()), 5),
             "ratio": round(ratio, 4)}
-
-
-def load_target(target_dir: str | Path, tap_layers, device: torch.device, bf16: bool) -> Qwen3Target:
-    dtype = torch.bfloat16 if (bf16 and device.type == "cuda") else torch.float32
-    return Qwen3Target.from_pretrained(target_dir, tap_layers=tuple(tap_layers), dtype=dtype).to(device)
-
-
-@torch.no_grad()
-def compute_taps(target: Qwen3Target, seqs: list[list[int]], batch: int, device: torch.device,
-                 store_dtype=torch.float16, keep_device: bool = False) -> list[torch.Tensor]:
-    """Clean target taps [L, k*d] per sequence (one causal forward each, batched with right padding)."""
-    out: list[torch.Tensor] = []
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    res: dict[int, torch.Tensor] = {}
-    for s in range(0, len(order), batch):
-        idx = order[s : s + batch]
-        ids, lengths = pad_tokens([seqs[i] for i in idx], device)
-        taps = target_taps(target, ids)
-        for j, i in enumerate(idx):
-            t = taps[j, : lengths[j]].to(store_dtype)
-            res[i] = t if keep_device else t.cpu()
-    out = [res[i] for i in range(len(seqs))]
-    return out
-
-
-def target_taps(target: Qwen3Target, ids: torch.Tensor, logits_at: torch.Tensor | None = None):
-    """Taps [N, S, k*d] of one causal forward; with logits_at [N, K] also the logits there, as (taps, logits)."""
-    N, S = ids.shape
-    pk, pv = target.empty_past(N)
-    pk = [t.to(ids.device) for t in pk]
-    pv = [t.to(ids.device) for t in pv]
-    index = logits_at if logits_at is not None else torch.zeros(N, 1, dtype=torch.long, device=ids.device)
-    logits, taps, _, _ = target(ids, torch.arange(S, device=ids.device).expand(N, S), pk, pv,
-                                torch.zeros(N, dtype=torch.long, device=ids.device), logits_index=index)
-    return (taps, logits) if logits_at is not None else taps
-
-
-def pad_tokens(seqs: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
-    S = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), S, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return ids.to(device), [len(s) for s in seqs]
-
-
-def pad_taps(taps: list[torch.Tensor], device, dtype=torch.float32) -> torch.Tensor:
-    S = max(t.shape[0] for t in taps)
-    out = torch.zeros(len(taps), S, taps[0].shape[-1], dtype=dtype, device=device)
-    for i, t in enumerate(taps):
-        out[i, : t.shape[0]] = t.to(device=device, dtype=dtype)
-    return out
 
 
 def init_drafter(drafter: DFlashDrafter, target: Qwen3Target, how: str, seed: int) -> None:
@@ -203,139 +104,6 @@ def init_drafter(drafter: DFlashDrafter, target: Qwen3Target, how: str, seed: in
         drafter.fc.weight.copy_(torch.cat([eye] * k, dim=1) + torch.randn(d, k * d, generator=g) * 0.005)
 
 
-def _sha(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def prepare_prompts(target_dir, data: str | Path, max_prompt_len: int, num: int | None, val: int,
-                    seed: int, chat: bool = False) -> tuple[list[list[int]], list[list[int]]]:
-    """Read (JSONL, Parquet, a `datasets` directory; chat rows through the target's chat template with
-    --chat), encode, left-truncate to max_prompt_len, take the first `num`, split (train, validation)."""
-    from retrace.train import datasets_io as dio
-
-    rows = dio.read_rows(data)
-    if chat:
-        ids = dio.chat_prompts(rows, target_dir, str(data))
-    else:
-        ids = dio.plain_prompts(rows, TextCodec.find(target_dir), str(data))
-    kept = [p[-max_prompt_len:] for p in ids if p]
-    if not kept:
-        raise RetraceError(f"{data}: all {len(ids)} prompts are empty (no tokens); training needs non-empty prompts")
-    ids = kept
-    if num is not None:
-        ids = ids[:num]
-    tr, va = cm.split_validation(len(ids), val, seed)
-    return [ids[i] for i in tr], [ids[i] for i in va]
-
-
-def cached_responses(cache_dir: Path, key: dict, make, with_taps: bool, n: int, mine: list[int],
-                     d: dist.Dist = dist.Dist()):
-    """Responses (and their target taps) are expensive: keep them beside the run, keyed by what produced
-    them. `responses.json` holds all n responses (written by the main rank); the taps of this rank's
-    sequences `mine` are in its own shard (`taps.safetensors` for one process, `taps-rank{r}-of-{w}` under
-    torchrun). make(indices, with_taps) -> (responses, taps or None) for those indices: each rank generates
-    only its share, then the responses are gathered. Returns (all responses, {index: taps} or None)."""
-    k = _sha(key)
-    rj = cache_dir / "responses.json"
-
-    def read():
-        try:
-            obj = json.loads(rj.read_text())
-            return obj["responses"] if obj.get("key") == k and len(obj["responses"]) == n else None
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    res = d.main_first(read)
-    if res is not None:
-        return res, (load_taps_cache(cache_dir, key, mine, d) if with_taps else None)  # None: recomputed
-    got, taps = make(mine, with_taps)
-    res = [None] * n
-    for part in d.all_gather(list(zip(mine, got, strict=True))):
-        for i, r in part:
-            res[i] = r
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    taps_by = dict(zip(mine, taps, strict=True)) if taps is not None else None
-    if taps_by is not None:
-        save_taps_cache(cache_dir, key, taps_by, d)
-    if d.is_main:
-        atomic_write_text(rj, json.dumps({"key": k, "responses": res}))
-    d.barrier()
-    return res, taps_by
-
-
-def _taps_file(cache_dir: Path, d: dist.Dist) -> Path:
-    return cache_dir / ("taps.safetensors" if not d.active else f"taps-rank{d.rank}-of-{d.world}.safetensors")
-
-
-def _taps_key(key: dict, indices: list[int]) -> list[int]:
-    return list(bytes.fromhex(_sha({"key": _sha(key), "indices": _sha(sorted(indices))})))
-
-
-def load_taps_cache(cache_dir: Path, key: dict, mine: list[int], d: dist.Dist) -> dict | None:
-    """This rank's cached taps {index: [L, k*d]} when its shard file matches (key and indices), else None."""
-    from safetensors.torch import load_file
-
-    tf = _taps_file(cache_dir, d)
-    try:
-        t = load_file(str(tf)) if tf.is_file() else None
-    except (OSError, RuntimeError, ValueError):
-        t = None
-    if t is None or t["key"].tolist() != _taps_key(key, mine):
-        return None
-    return dict(zip(t["indices"].tolist(), torch.split(t["taps"], t["lengths"].tolist()), strict=True))
-
-
-def save_taps_cache(cache_dir: Path, key: dict, taps: dict[int, torch.Tensor], d: dist.Dist = dist.Dist()) -> None:
-    """Write this rank's taps shard (safetensors, fp16), atomically."""
-    from safetensors.torch import save_file
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tf = _taps_file(cache_dir, d)
-    tmp = tf.with_suffix(".tmp")
-    ix = sorted(taps)
-    save_file({"taps": torch.cat([taps[i].to(torch.float16) for i in ix]),
-               "lengths": torch.tensor([taps[i].shape[0] for i in ix], dtype=torch.long),
-               "indices": torch.tensor(ix, dtype=torch.long),
-               "key": torch.tensor(_taps_key(key, ix), dtype=torch.uint8)}, str(tmp))
-    tmp.replace(tf)
-
-
-class SeqSampler:
-    """Epoch permutations from (seed, epoch); the position is (epoch, cursor): resumable exactly."""
-
-    def __init__(self, n: int, seed: int, epoch: int = 0, cursor: int = 0):
-        self.n, self.seed, self.epoch, self.cursor = n, seed, epoch, cursor
-        self._perm = self._make()
-
-    def _make(self) -> list[int]:
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)).tolist()
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.cursor >= self.n:
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self._perm = self._make()
-            out.append(self._perm[self.cursor])
-            self.cursor += 1
-        return out
-
-
-def sample_anchors(lengths: list[int], prompt_lens: list[int], nb: int, gen: torch.Generator):
-    """Random distinct anchors per sequence in its response ([prompt_len, L-2]); -> (anchor_pos [N,nb],
-    block_weight [N,nb]) with padding blocks at position 0 and weight 0."""
-    N = len(lengths)
-    pos = torch.zeros(N, nb, dtype=torch.long)
-    w = torch.zeros(N, nb)
-    for i, (L, p0) in enumerate(zip(lengths, prompt_lens, strict=True)):
-        m = L - 1 - p0
-        if m <= 0:
-            continue
-        pick = torch.randperm(m, generator=gen)[:nb] + p0
-        pick, _ = pick.sort()
-        pos[i, : len(pick)] = pick
-        w[i, : len(pick)] = 1.0
-    return pos, w
 
 
 # -- the trainer -------------------------------------------------------------------------------------------------
@@ -390,24 +158,6 @@ def evaluate_blocks(drafter, target, data: _Data, anchors, cfg, device, weights,
     return bl.summarize(d.sum_stats(total))
 
 
-def runtime_tau(target, drafter, prompts, max_new_tokens, mode, device, block_size=None, batch=32,
-                temperature=0.0, seed=0) -> dict:
-    """Real tau from the runtime loop (greedy): per-prompt mean and pooled."""
-    if not prompts:
-        return {}
-    was = drafter.training
-    drafter.eval()
-    B = block_size or drafter.config.block_size
-    be = make_backend(target, drafter, min(batch, len(prompts)), max(len(p) for p in prompts) + max_new_tokens + B + 2,
-                      device)
-    outs, sched = run_requests(be, prompts, mode, max_new_tokens, temperature, seed, block_size=B)
-    drafter.train(was)
-    per = [o.tau for o in outs if o.tau is not None]
-    st = sched.stats[mode]
-    return {"tau_mean": round(sum(per) / len(per), 4) if per else None, "tau_pooled": round(st.tau or 0.0, 4),
-            "n": len(per)}
-
-
 def train_dflash(target_dir: str | Path, out_dir: str | Path, data: str | Path, cfg: DFlashConfig | None = None,
                  resume: bool = False, progress: bool = True, force: bool = False) -> dict:
     """Train into out_dir (see retrace.train.outputs for what may be overwritten: force / resume). Under
@@ -420,31 +170,14 @@ def train_dflash(target_dir: str | Path, out_dir: str | Path, data: str | Path, 
             return _train_dflash(Path(target_dir), work, Path(data), cfg, resume, progress and d.is_main, d, device)
 
 
-def data_streams(usable: list[int], n_train: int, streams: int, where) -> list[list[int]]:
-    """The training sequences of each data stream: stream s takes the prompts i with i % streams == s. There
-    is one stream per micro-batch of a step (world x grad_accum); rank r owns streams r*A .. r*A+A-1, so two
-    processes with grad_accum A see exactly the batches of one process with 2A."""
-    if n_train < streams:
-        raise RetraceError(f"{where}: {n_train} training prompts cannot be split into {streams} data shards (world "
-                           "size x --grad-accum): use more prompts, fewer processes or less accumulation")
-    out = [[i for i in usable if i % streams == s] for s in range(streams)]
-    empty = [s for s, o in enumerate(out) if not o]
-    if empty:
-        raise RetraceError(f"{where}: data shard {empty[0]} of {streams} (world size x --grad-accum) has no usable "
-                           "training sequence (responses shorter than 2 tokens): use more prompts or fewer shards")
-    return out
-
-
 def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, resume: bool, progress: bool,
                   d: dist.Dist, device: torch.device) -> dict:
-    from retrace.train.datasets_io import data_sha
-
     t_start = time.perf_counter()
     bf16 = (device.type == "cuda") if cfg.bf16 is None else cfg.bf16
     if cfg.batch_size < 1 or cfg.grad_accum < 1:
         raise RetraceError(f"--batch-size ({cfg.batch_size}) and --grad-accum ({cfg.grad_accum}) must be positive")
     if resume and cm.has_train_state(out):  # before the target generates anything or train_data/ is touched
-        cm.check_resumable(out, "dflash", _sha(_resume_key(cfg)), cfg.steps)
+        cm.check_resumable(out, "dflash", cm.key_sha(_resume_key(cfg)), cfg.steps)
     torch.manual_seed(cfg.seed)
     tconf = Qwen3Config.from_dir(target_dir)
     mask_id = find_mask_token_id(target_dir, tconf.vocab_size, cfg.mask_token_id)
@@ -488,41 +221,9 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     est_tokens = sum(len(all_p[i]) for i in mine) + len(mine) * cfg.max_new_tokens
     cache = not cfg.soft_labels and est_tokens * kd * 2 / 2**20 <= cfg.cache_taps_mb
 
-    def gen_group(prompts, temperature, seed, with_taps):
-        if cfg.gen_workers > 1 and device.type == "cpu" and len(prompts) > 1:
-            parts = cm.parallel_map(generate_shard, [
-                (str(target_dir), tuple(dconf.target_layer_ids), prompts[r.start : r.stop], cfg.max_new_tokens,
-                 cfg.gen_batch, temperature, seed + r.start, with_taps)
-                for r in cm.shards(len(prompts), cfg.gen_workers)], cfg.gen_workers)
-            if with_taps:
-                return [o for p in parts for o in p[0]], [t for p in parts for t in p[1]]
-            return [o for p in parts for o in p], None
-        bar = _token_bar(progress, len(prompts) * cfg.max_new_tokens, "responses")
-        res = generate(target, prompts, cfg.max_new_tokens, cfg.gen_batch, temperature, seed, device,
-                       progress=(lambda n: bar.update(n)) if bar else None, return_taps=with_taps)
-        if bar:
-            bar.close()
-        return res if with_taps else (res, None)
-
     def make(ix_list, with_taps):
-        cm.log(progress, TAG, f"generating {len(all_p)} responses x {cfg.max_new_tokens} tokens with the target"
-                              + (f" ({cfg.gen_workers} processes)" if cfg.gen_workers > 1 and device.type == "cpu" else "")
-                              + (f" ({d.world} ranks)" if d.active else "")
-                              + (f", {cfg.gen_sample_frac:.0%} sampled at T=1" if cfg.gen_sample_frac else ""))
-        g = torch.Generator().manual_seed(cfg.seed + 99)
-        sampled = (torch.rand(len(all_p), generator=g) < cfg.gen_sample_frac).tolist()
-        outs, taps = {}, {}
-        for flag, temp in ((False, cfg.gen_temperature), (True, 1.0)):
-            ix = [i for i in ix_list if sampled[i] == flag]
-            if not ix:
-                continue
-            seed = cfg.seed + (50_000 if flag else 0) + 1_000_003 * d.rank
-            o, t = gen_group([all_p[i] for i in ix], temp, seed, with_taps)
-            for j, i in enumerate(ix):
-                outs[i] = o[j]
-                if t is not None:
-                    taps[i] = t[j]
-        return [outs[i] for i in ix_list], ([taps[i] for i in ix_list] if with_taps else None)
+        return target_responses(target, target_dir, dconf.target_layer_ids, all_p, ix_list, with_taps, cfg, device, d,
+                                progress)
 
     responses, taps_by = cached_responses(out / "train_data", key, make, cache, len(all_p), mine, d)
     gen_s = time.perf_counter() - t0
@@ -587,19 +288,15 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
                           f"taps {dconf.target_layer_ids}, init {cfg.init}, device {device}, bf16 {bf16}, global batch "
                           f"{cfg.batch_size} x {A} x {d.world} ranks")
     bar = cm.progress_bar(cfg.steps, "dflash", progress, initial=step)
-    ema, last_eval = None, {}
     if step == 0 and va_idx and cfg.eval_every:
         history.append({"step": 0, **{f"val_{k}": v for k, v in evaluate().items()}})
-    t_train = time.perf_counter()
-    steps_run = 0
-    stop_at = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
 
     def save(step_now):
         owned = {s: (samplers[s].epoch, samplers[s].cursor, agens[s].get_state()) for s in own_streams}
         state = {k: v for part in d.all_gather(owned) for k, v in part.items()}
         full, full_opt = fs.gather_train_state(model, params, opt)  # --fsdp: unsharded, on rank 0
         if d.is_main:
-            info = {"kind": "dflash", "config": cfg.to_dict(), "config_sha": _sha(_resume_key(cfg)),
+            info = {"kind": "dflash", "config": cfg.to_dict(), "config_sha": cm.key_sha(_resume_key(cfg)),
                     "epoch": state[0][0], "cursor": state[0][1], "streams": [list(state[s][:2]) for s in range(S)],
                     "world_size": d.world, "fsdp": fs.is_sharded(model), "history": history}
             cm.save_train_state(out, full, full_opt, step_now, info, rng={_anchor_rng(s): state[s][2] for s in range(S)})
@@ -607,16 +304,8 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
             drop_stale_conditioner(out)
         d.barrier()
 
-    timed_out = False
-    while step < stop_at:
-        sched_step = step
-        if cfg.max_train_seconds is not None:
-            frac = d.broadcast((time.perf_counter() - t_train) / cfg.max_train_seconds)  # one decision for all
-            if frac >= 1.0:
-                timed_out = True
-                break
-            sched_step = max(step, min(cfg.steps - 1, int(cfg.steps * frac)))  # the schedule follows the budget
-        cm.set_lr(opt, cm.lr_at(sched_step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio))
+    def train_step(_st: FitState, backward) -> float:
+        """One micro-batch per data stream of this rank; -> the step's loss over all ranks."""
         tot: dict = {}
         for a, s in enumerate(own_streams):
             idx = [streams[s][j] for j in samplers[s].take(cfg.batch_size)]
@@ -625,32 +314,30 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
             with dist.no_sync(model, a == A - 1):
                 loss, st = _batch_forward(drafter, target, data_all, idx, anchors, bw, cfg, device, weights, bf16,
                                           model)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss at step {step}")
-                (loss / A).backward()  # DDP then averages over the ranks: the mean over all micro-batches
+                backward(loss / A)  # DDP then averages over the ranks: the mean over all micro-batches
             bl.merge_stats(tot, st)
-        torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        steps_run += 1
         tot = d.sum_stats(tot)
-        lv = tot["loss_sum"] / max(tot["weight_sum"], 1e-8)
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            last_eval = evaluate() if va_idx else {}
-            history.append({"step": step, "train_loss": round(ema, 4), **{f"val_{k}": v for k, v in last_eval.items()}})
-        if bar is not None:
-            bar.update(1)
-            post = {"loss": f"{ema:.3f}"}
-            if "tau_est" in last_eval:
-                post["val_tau"] = f"{last_eval['tau_est']:.2f}"
-            bar.set_postfix(post)
-        if cfg.save_every and step % cfg.save_every == 0 and step < stop_at:
-            save(step)
+        return tot["loss_sum"] / max(tot["weight_sum"], 1e-8)
+
+    def eval_point(st: FitState) -> dict:
+        ev = evaluate() if va_idx else {}
+        history.append({"step": st.step, "train_loss": round(st.ema, 4), **{f"val_{k}": v for k, v in ev.items()}})
+        return ev
+
+    def postfix(st: FitState) -> dict:
+        post = {"loss": f"{st.ema:.3f}"}
+        if "tau_est" in (st.last_eval or {}):
+            post["val_tau"] = f"{st.last_eval['tau_est']:.2f}"
+        return post
+
+    budget = Budget(cfg.steps, cfg.max_train_seconds, None if cfg.stop_after is None else step + cfg.stop_after)
+    schedule = follow_budget(lambda s: cm.lr_at(s, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio), cfg.steps)
+    run = fit(train_step, opt, list(params.values()), budget, schedule, cfg.grad_clip, start=step,
+              evaluate=eval_point, eval_every=cfg.eval_every, checkpoint=save, save_every=cfg.save_every, bar=bar,
+              postfix=postfix, sync=d.broadcast)
     if bar is not None:
         bar.close()
-    train_s = time.perf_counter() - t_train
+    step, ema, timed_out, last_eval = run.step, run.ema, run.timed_out, run.last_eval or {}
     if timed_out and va_idx:
         last_eval = evaluate()
         history.append({"step": step, "train_loss": round(ema, 4) if ema is not None else None,
@@ -673,8 +360,8 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
         "block_size": cfg.block_size, "num_layers": cfg.num_layers, "init": cfg.init, "gamma": gamma,
         "timed_out": timed_out, "world_size": d.world, "fsdp": fs.is_sharded(model), "global_batch": cfg.batch_size * A * d.world,
         "train_sequences": len(tr_idx), "val_sequences": len(va_idx),
-        "seconds": {"responses": round(gen_s, 2), "taps": round(taps_s, 2), "train": round(train_s, 2),
-                    "steps_per_s": round(steps_run / max(train_s, 1e-9), 3), "eval_tau": round(tau_s, 2),
+        "seconds": {"responses": round(gen_s, 2), "taps": round(taps_s, 2), "train": round(run.seconds, 2),
+                    "steps_per_s": round(run.steps_run / max(run.seconds, 1e-9), 3), "eval_tau": round(tau_s, 2),
                     "total": round(time.perf_counter() - t_start, 2)},
         "config": cfg.to_dict(),
     }
@@ -696,14 +383,6 @@ def _resume_key(cfg: DFlashConfig) -> dict:
     if not d.get("chat"):
         d.pop("chat", None)  # checkpoints from before --chat existed resume
     return d
-
-
-def _token_bar(progress: bool, total: int, desc: str):
-    if not progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", dynamic_ncols=True, leave=False, mininterval=1.0)
 
 
 __all__ = ["DFlashConfig", "train_dflash", "find_mask_token_id", "compute_taps", "init_drafter"]

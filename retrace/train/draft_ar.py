@@ -19,31 +19,16 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from retrace.errors import RetraceError
 from retrace.models.checkpoint import plain_modes
 from retrace.output_dir import staged_output
+from retrace.train.config import DraftArConfig
 
 META = "draft_ar.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
-
-
-@dataclass
-class DraftArConfig:
-    layers: int = 1
-    seconds: float = 90.0  # training wall-time budget (the response generation comes on top)
-    max_steps: int = 3000
-    num_prompts: int = 256
-    max_prompt_len: int = 128
-    max_new_tokens: int = 96
-    gen_batch: int = 64
-    batch_size: int = 16
-    lr: float = 2e-3
-    warmup: int = 20
-    seed: int = 0
-    threads: int = 2
 
 
 def _key(target_dir: Path, data: Path, cfg: DraftArConfig) -> dict:
@@ -86,18 +71,22 @@ def _train_loop(draft, target, seqs: list[list[int]], cfg: DraftArConfig, pad_id
     import torch.nn.functional as F
 
     from retrace.train import common as cm
+    from retrace.train.fit import Budget, fit
 
     gen = torch.Generator().manual_seed(cfg.seed)
     params = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
     opt = cm.make_adamw(params, cfg.lr, 0.0)
     draft.train()
     t0 = time.perf_counter()
-    curve, step, ema = [], 0, None
-    while step < cfg.max_steps and time.perf_counter() - t0 < cfg.seconds:
+    curve = []
+
+    def schedule(step: int, spent: float) -> float:
         # the schedule runs on whichever budget (steps or seconds) is nearer its end
-        frac = max(step / cfg.max_steps, (time.perf_counter() - t0) / cfg.seconds)
+        frac = max(step / cfg.max_steps, spent)
         at = step if step < cfg.warmup else cfg.warmup + int(frac * 10_000)
-        cm.set_lr(opt, cm.lr_at(at, cfg.warmup + 10_000, cfg.lr, cfg.warmup))
+        return cm.lr_at(at, cfg.warmup + 10_000, cfg.lr, cfg.warmup)
+
+    def train_step(_st, backward) -> float:
         idx = torch.randint(len(seqs), (cfg.batch_size,), generator=gen).tolist()
         L = max(len(seqs[i]) for i in idx)
         ids = torch.full((len(idx), L), pad_id, dtype=torch.int64)
@@ -111,19 +100,19 @@ def _train_loop(draft, target, seqs: list[list[int]], cfg: DraftArConfig, pad_id
         m = mask.bool()
         kl = F.kl_div(F.log_softmax(d_logits[m], -1), F.log_softmax(t_logits[m], -1), log_target=True,
                       reduction="batchmean")
-        if not torch.isfinite(kl):
-            raise FloatingPointError(f"draft-ar: non-finite loss at step {step}")
-        kl.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ema = kl.item() if ema is None else 0.95 * ema + 0.05 * kl.item()
-        if step % 25 == 0:
-            curve.append((step, round(ema, 4)))
-            log(f"step {step} kl {ema:.4f}")
-        step += 1
+        backward(kl)
+        return kl.item()
+
+    def log_curve(st) -> None:
+        if (st.step - 1) % 25 == 0:
+            curve.append((st.step - 1, round(st.ema, 4)))
+            log(f"step {st.step - 1} kl {st.ema:.4f}")
+
+    run = fit(train_step, opt, [p for _, p in params], Budget(cfg.max_steps, cfg.seconds), schedule, 1.0,
+              on_step=log_curve, name="draft-ar")
     draft.eval()
-    return {"steps": step, "train_s": round(time.perf_counter() - t0, 2), "final_kl_ema": ema, "curve": curve}
+    return {"steps": run.step, "train_s": round(time.perf_counter() - t0, 2), "final_kl_ema": run.ema,
+            "curve": curve}
 
 
 def greedy_agreement(draft, target, seqs: list[list[int]]) -> float:

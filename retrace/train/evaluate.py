@@ -32,6 +32,24 @@ def paired_stats(a: list[float | None], b: list[float | None]) -> dict:
     return {"mean_diff": round(mean, 5), "se": round(sd / math.sqrt(n), 5), "n": n}
 
 
+def runtime_tau(target, drafter, prompts, max_new_tokens, mode, device, block_size=None, batch=32,
+                temperature=0.0, seed=0) -> dict:
+    """Real tau from the runtime loop (greedy): per-prompt mean and pooled."""
+    if not prompts:
+        return {}
+    was = drafter.training
+    drafter.eval()
+    B = block_size or drafter.config.block_size
+    be = make_backend(target, drafter, min(batch, len(prompts)), max(len(p) for p in prompts) + max_new_tokens + B + 2,
+                      device)
+    outs, sched = run_requests(be, prompts, mode, max_new_tokens, temperature, seed, block_size=B)
+    drafter.train(was)
+    per = [o.tau for o in outs if o.tau is not None]
+    st = sched.stats[mode]
+    return {"tau_mean": round(sum(per) / len(per), 4) if per else None, "tau_pooled": round(st.tau or 0.0, 4),
+            "n": len(per)}
+
+
 def tau_by_mode(target, drafter, prompts: list[list[int]], modes=("dflash", "retrace"), max_new_tokens: int = 96,
                 temperature: float = 0.0, block_size: int | None = None, max_batch: int = 32, seed: int = 0,
                 device="cpu", verify_policy: str = "fixed", tree_budget: int = 0,
@@ -148,4 +166,4 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["evaluate", "tau_by_mode", "paired_stats", "format_report"]
+__all__ = ["evaluate", "runtime_tau", "tau_by_mode", "paired_stats", "format_report"]

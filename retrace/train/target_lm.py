@@ -37,36 +37,41 @@ if "torch" not in sys.modules:
 import torch  # noqa: E402
 
 from retrace.models.checkpoint import plain_modes  # noqa: E402
+from retrace.train import common as cm  # noqa: E402
+from retrace.train.fit import Budget, FitState, fit, follow_budget  # noqa: E402
+from retrace.train.options import setting  # noqa: E402
 
 
 @dataclass(frozen=True)
 class TargetPreset:
+    """A zoo target: its Qwen3 shape and how it trains (the presets below; `get_preset` overrides fields)."""
+
     # model
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rope_theta: float = 1_000_000.0  # Qwen3's value (a non-default theta exposes readers that ignore it)
-    tie_embeddings: bool = False
+    vocab_size: int = setting(help="vocabulary (the tokenizer's size when it is smaller)")
+    hidden_size: int = setting(help="hidden width")
+    intermediate_size: int = setting(help="SwiGLU width")
+    num_layers: int = setting(help="decoder layers")
+    num_heads: int = setting(help="query heads")
+    num_kv_heads: int = setting(help="key/value heads (GQA)")
+    head_dim: int = setting(help="width of a head")
+    max_position_embeddings: int = setting(help="longest context")
+    rope_theta: float = setting(1_000_000.0, "Qwen3's value (a non-default theta exposes readers that ignore it)")
+    tie_embeddings: bool = setting(False, "the LM head shares the input embedding")
     # training
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 100
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    bf16: bool = False  # see the module docstring (numerics)
-    compile: bool = False  # torch.compile the training forward/backward (falls back to eager if it fails)
-    init_std: float = 0.02
+    seq_len: int = setting(256, "tokens per training window")
+    batch_size: int = setting(16, "windows per step")
+    steps: int = setting(100, "optimizer steps")
+    lr: float = setting(2e-3, "peak learning rate")
+    min_lr_ratio: float = setting(0.1, "the cosine schedule ends at this fraction of lr")
+    warmup_steps: int = setting(20, "linear warmup steps")
+    weight_decay: float = setting(0.1, "AdamW weight decay (linear weights only)")
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")
+    grad_clip: float = setting(1.0, "gradient-norm clipping")
+    bf16: bool = setting(False, "bf16 autocast: see the module docstring (numerics)")
+    compile: bool = setting(False, "torch.compile the training forward/backward (falls back to eager if it fails)")
+    init_std: float = setting(0.02, "std of the initial weights")
     # evaluation
-    eval_tokens: int = 32_768
+    eval_tokens: int = setting(32_768, "held-out tokens of the perplexity")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -223,6 +228,9 @@ def iter_batches(
 
 
 def lr_at(step: int, preset: TargetPreset) -> float:
+    """Linear warmup, then cosine to lr x min_lr_ratio: the curve of common.lr_at in another rounding, kept as the
+    zoo targets were trained with it (it differs from common.lr_at in the last bit at 346 of the 1100 steps of the
+    two presets, and every bit of the learning rate reaches the weights)."""
     if step < preset.warmup_steps:
         return preset.lr * (step + 1) / preset.warmup_steps
     t = (step - preset.warmup_steps) / max(1, preset.steps - preset.warmup_steps)
@@ -281,55 +289,39 @@ def train_target(
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     curve: list[tuple[int, float]] = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=preset.steps, desc="target", unit="step", dynamic_ncols=True, leave=False, mininterval=2.0
-        )
+    fwd = [compiled(model) if preset.compile else model]
     t0 = time.perf_counter()
     c0 = time.process_time()
-    ema = None
-    fwd = compiled(model) if preset.compile else model
-    steps_run = 0
-    for step in range(preset.steps):
-        elapsed = time.perf_counter() - t0
-        if max_seconds is not None and elapsed >= max_seconds:
-            break
-        sched_step = step if max_seconds is None else max(step, int(preset.steps * elapsed / max_seconds))
-        for g in opt.param_groups:
-            g["lr"] = lr_at(min(sched_step, preset.steps - 1), preset)
+
+    def train_step(_st: FitState, backward) -> float:
         batch = next(batches).to(device, non_blocking=True)
         try:
-            loss = _lm_loss(fwd, batch, preset.bf16)
+            loss = _lm_loss(fwd[0], batch, preset.bf16)
         except Exception as e:  # noqa: BLE001 - no compiler, unsupported op, ...: the eager model is the same
-            if fwd is model:
+            if fwd[0] is model:
                 raise
             print(f"[zoo target] torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly",
                   file=sys.stderr)
-            fwd = model
-            loss = _lm_loss(fwd, batch, preset.bf16)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, preset.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        lv = loss.item()
-        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        steps_run = step + 1
-        if step % log_every == 0 or step == preset.steps - 1:
-            curve.append((step, round(lv, 4)))
-        if bar is not None:
-            bar.update(1)
-            if step % 10 == 0:
-                el = time.perf_counter() - t0
-                bar.set_postfix(
-                    loss=f"{ema:.3f}", tok_s=f"{(step + 1) * preset.batch_size * preset.seq_len / el:.0f}"
-                )
+            fwd[0] = model
+            loss = _lm_loss(model, batch, preset.bf16)
+        backward(loss)
+        return loss.item()
+
+    def log_curve(st: FitState) -> None:
+        if (st.step - 1) % log_every == 0 or st.step == preset.steps:
+            curve.append((st.step - 1, round(st.loss, 4)))
+
+    def postfix(st: FitState) -> dict:
+        tok_s = st.step * preset.batch_size * preset.seq_len / (time.perf_counter() - t0)
+        return {"loss": f"{st.ema:.3f}", "tok_s": f"{tok_s:.0f}"}
+
+    bar = cm.progress_bar(preset.steps, "target", progress)
+    run = fit(train_step, opt, params, Budget(preset.steps, max_seconds),
+              follow_budget(lambda s: lr_at(s, preset), preset.steps), preset.grad_clip, on_step=log_curve, bar=bar,
+              postfix=postfix)
     if bar is not None:
         bar.close()
+    steps_run, ema = run.steps_run, run.ema
     secs = time.perf_counter() - t0
     cpu = time.process_time() - c0
     tokens = steps_run * preset.batch_size * preset.seq_len
