@@ -38,6 +38,8 @@ class RoundOutcome:
     draft_s: float | None = None  # seconds of the drafter call (None: no call); set by `read`
     build_s: float = 0.0  # seconds building the tree (chain: 0); set by `read`
     verify_s: float = 0.0  # seconds of the verify (tree: and its acceptance); set by `read`
+    host_accepted: list[int] | None = None  # [N] `accepted` on the host; set by `read`
+    host_judged: list[int] | None = None  # [N] `judged` on the host (0: none); set by `read`
 
     def path_logits(self) -> torch.Tensor:
         """[N, L+1, V] the verify logits along the verified chain (a tree's: gathered on the round path)."""
@@ -52,6 +54,7 @@ class RoundOutcome:
         judged = self.judged if self.judged is not None else torch.zeros_like(self.accepted)
         host = read(torch.cat([self.accepted.view(N, 1), self.bonus.view(N, 1), judged.view(N, 1),
                                self.tokens.view(N, self.tokens.shape[1])], dim=1).to(torch.int64))
+        self.host_accepted, self.host_judged = [row[0] for row in host], [row[2] for row in host]
         marks = self.proposal.marks
         if marks:
             self.draft_s = clock.seconds(marks[0], marks[1])

@@ -22,7 +22,7 @@ class LookupProposer:
 
     def observe(self, outcome) -> None:
         if outcome.proposal.source is self:
-            self.lookup.observe(outcome.proposal.verified, outcome.accepted)
+            self.lookup.observe(outcome.host_judged, outcome.host_accepted)  # read with the round
 
     def clear(self, slot: int) -> None:
         self.lookup.clear(slot)
