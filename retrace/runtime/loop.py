@@ -267,7 +267,7 @@ class Scheduler:
             observer.observe(outcome)
 
         # 5. commit: each row's accepted drafts and bonus; its verify taps become the drafter's next context
-        for r, (a, b, k, *tokens), taps in zip(reqs, host, outcome.taps, strict=True):
+        for r, (a, b, k, *tokens), taps in zip(reqs, host, outcome.taps.unbind(), strict=True):
             r.stats.record(a, k, proposal.slots)
             self.stats[batch.mode].record(a, k, proposal.slots)
             extend_context(r, taps, drafted=proposal.slots > 0)
