@@ -274,7 +274,7 @@ class Scheduler:
             r.anchor, r.anchor_pos = b, r.anchor_pos + a + 1
             self._commit(r, tokens[:a] + [b], events)
 
-    # -- pieces of a round -----------------------------------------------------------------------------
+    # -- the prefill's first token ---------------------------------------------------------------------
     def _sample_first(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """logits [N, V] after a prefill -> each request's first token [N] (argmax, or sampled), on the device."""
         first = argmax(logits)

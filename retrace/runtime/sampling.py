@@ -148,7 +148,7 @@ def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:
             groups.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
     for rows in groups.values():
         probs, bad = guard_rows(processed_probs(logits[rows], reqs[rows[0]].params))
-        for j in bad:  # the row fails alone (at its commit); the one-hot guard_rows put there keeps the round going
+        for j in bad:  # the row fails alone (at its commit); guard_rows' one-hot there keeps the round going
             p = reqs[rows[j]].params
             reqs[rows[j]].error = (f"the sampling distribution of this request cannot be sampled (non-finite "
                                    f"probabilities at temperature {p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g})")
