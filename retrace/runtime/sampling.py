@@ -151,7 +151,8 @@ def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:
         for j in bad:  # the row fails alone (at its commit); guard_rows' one-hot there keeps the round going
             p = reqs[rows[j]].params
             reqs[rows[j]].error = (f"the sampling distribution of this request cannot be sampled (non-finite "
-                                   f"probabilities at temperature {p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g})")
+                                   f"probabilities at temperature {p.temperature:g}, top_k {p.top_k}, "
+                                   f"top_p {p.top_p:g})")
         for j, i in enumerate(rows):
             out[i] = probs[j]
     return out
