@@ -242,3 +242,15 @@ def test_a_block_commits_what_one_token_per_round_commits(tmp_path, case):
             (trial, words, stop)
         assert streamed["block"] == streamed["one"] == one.text  # finished: everything streamed, nothing more
         assert one.finish_reason == ("length" if case == "length" else "stop")
+
+
+def test_the_timings_observer_follows_a_stats_reset(pair):
+    """Runtime.reset_stats gives the scheduler a fresh Timing: the rounds after it are timed into that one."""
+    rt = Runtime.from_dirs(*pair, max_batch=2, max_seq_len=96, verify_policy="fixed")
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    rt.generate(PROMPTS[:1], params, "retrace")
+    rt.reset_stats()
+    assert rt.scheduler().timing.draft == rt.scheduler().timing.verify == 0
+    rt.generate(PROMPTS[:1], params, "retrace")
+    t = rt.scheduler().timing
+    assert t.draft > 0 and t.verify > 0

@@ -148,7 +148,7 @@ class Scheduler:
                   if self.lookup is not None else None)
         self.plan = ProposerPlan(self.policy, self.drafter, lookup)
         self.verify_and_accept = VerifyAndAccept(backend, clock, self.eos_ids)
-        self.observers = [o for o in (self.memory, PolicyObserver(self.policy), TimingObserver(self.timing),
+        self.observers = [o for o in (self.memory, PolicyObserver(self.policy), TimingObserver(lambda: self.timing),
                                       *self.plan.proposers) if o is not None]
 
     @property

@@ -9,6 +9,7 @@ vocabulary, M a tree's nodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,9 +87,10 @@ class PolicyObserver:
 class TimingObserver:
     """The run's time split: the drafter calls, the verifies (a tree's build included)."""
 
-    def __init__(self, timing: Timing):
-        self.timing = timing
+    def __init__(self, timing: Callable[[], Timing]):
+        self.timing = timing  # the scheduler's current Timing (Runtime.reset_stats replaces it)
 
     def observe(self, o: RoundOutcome) -> None:
-        self.timing.draft += o.draft_s or 0.0
-        self.timing.verify += o.build_s + o.verify_s
+        timing = self.timing()
+        timing.draft += o.draft_s or 0.0
+        timing.verify += o.build_s + o.verify_s
