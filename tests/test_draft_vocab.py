@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from runtime_fixtures import hf_greedy, load_hf_target, single_thread, write_pair
 from safetensors.torch import load_file, save_file
 
-import retrace.runtime.loop as loop_module
+import retrace.runtime.proposers.chain as chain_module
 from retrace.errors import CheckpointError, RetraceError
 from retrace.models.config import Qwen3Config
 from retrace.models.draft_vocab import META, TENSORS, DraftVocab, count_tokens, coverage_of, from_counts
@@ -53,18 +53,18 @@ def drafter_copy(src, dst, ids=None):
 
 
 class DraftSpy:
-    """Records every draft the loop proposes (Scheduler._propose)."""
+    """Records every draft the drafter proposes (runtime/proposers/chain.py propose_tokens)."""
 
     def __init__(self, monkeypatch):
         self.drafts: set[int] = set()
-        orig = loop_module.Scheduler._propose
+        orig = chain_module.propose_tokens
 
-        def spy(sched, draft_logits, reqs):
-            drafts, q = orig(sched, draft_logits, reqs)
+        def spy(draft_logits, reqs):
+            drafts, q = orig(draft_logits, reqs)
             self.drafts |= set(drafts.reshape(-1).tolist())
             return drafts, q
 
-        monkeypatch.setattr(loop_module.Scheduler, "_propose", spy)
+        monkeypatch.setattr(chain_module, "propose_tokens", spy)
 
 
 @pytest.fixture(scope="module")

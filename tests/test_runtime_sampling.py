@@ -28,7 +28,7 @@ from runtime_fixtures import load_hf_target, single_thread, steep_cost_policy, w
 from safetensors.torch import load_file, save_file
 from scipy.stats import chi2, chisquare, ncx2
 
-import retrace.runtime.loop as loop_module
+import retrace.runtime.verify_accept as verify_module
 from retrace.runtime import Runtime, SamplingParams
 
 V = 8
@@ -178,7 +178,7 @@ def _resample_from_p(p, q, drafts, gen):
 def test_wrong_acceptance_rule_fails_the_same_check(pair, monkeypatch, rule):
     target, drafter, logits = pair
     params, n = CONFIGS["T1"]
-    monkeypatch.setattr(loop_module, "speculative_accept", rule)
+    monkeypatch.setattr(verify_module, "speculative_accept", rule)
     with single_thread():
         outs, _ = sample(target, drafter, params, n)
     results = check(outs, exact_joint(logits, params))

@@ -1,5 +1,5 @@
-"""Tree verification (runtime/draft_tree.py, tree_accept.py, rejected_trajectory.py): the tree is the
-best-first one, the mask and the greedy acceptance match brute force, and the runtime's output with a tree
+"""Tree verification (runtime/draft_tree.py, tree_accept.py, suffix_memory.py's trajectory view): the tree is
+the best-first one, the mask and the greedy acceptance match brute force, and the runtime's output with a tree
 is token-exact with transformers' greedy decode for every source combination, budgets 4..64, batch 1..8,
 `dflash` and `retrace`, with a random drafter and an oracle one (accepted drafts), requests joining and
 leaving."""
@@ -17,7 +17,7 @@ from test_runtime_sampling import pair  # noqa: F401  (the vocab-8 pair of the s
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.draft_tree import SOURCE_BITS, SourceRates, build_trees, parse_sources
-from retrace.runtime.rejected_trajectory import RejectedTrajectory
+from retrace.runtime.suffix_memory import SuffixMemory
 from retrace.runtime.tokenizer import TextCodec
 from retrace.runtime.torch_backend import TorchBackend
 from retrace.runtime.tree_accept import (
@@ -122,11 +122,11 @@ def test_ancestor_mask_and_greedy_accept_match_brute_force():
 def test_rejected_trajectory_alignment():
     """old slot j -> new slot k = j - a - 1: suffix = the drafter's top-1 at j (unverified slots too),
     target = the round path's target argmax at j - 1 (only where the verify reached it)."""
-    tr = RejectedTrajectory(2, 6)  # S = 5
+    tr = SuffixMemory(2, 6, 4)  # S = 5
     top1 = torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]])
     post = torch.tensor([[30, 31, 32, 33], [40, 41, 42, 42]])  # old slots 0..3 (row 1 padded past L=2)
-    tr.write(torch.tensor([0, 1]), top1, post, torch.tensor([3, 2]), torch.tensor([1, 0]))
-    got = tr.read(torch.tensor([0, 1]))
+    tr.write_trajectory(torch.tensor([0, 1]), top1, post, torch.tensor([3, 2]), torch.tensor([1, 0]))
+    got = tr.trajectory(torch.tensor([0, 1]))
     assert got["suffix"].tolist() == [[13, 14, 15, -1, -1], [22, 23, 24, 25, -1]]
     assert got["target"].tolist() == [[32, 33, -1, -1, -1], [41, 42, -1, -1, -1]]
 

@@ -109,16 +109,19 @@ class PromptLookup:
                 best, best_rate = k, rate
         return best
 
-    def observe(self, verified: torch.Tensor, accepted: torch.Tensor) -> None:
-        on = verified > 0
-        if not bool(on.any()):
+    def observe(self, verified: torch.Tensor | list[int], accepted: torch.Tensor | list[int]) -> None:
+        """verified, accepted [N]: lookup tokens each row verified and accepted (host lists: no read)."""
+        if isinstance(verified, torch.Tensor):
+            verified, accepted = verified.tolist(), accepted.tolist()
+        on = [(v, a) for v, a in zip(verified, accepted, strict=True) if v > 0]
+        if not on:
             return
-        hits = int(accepted[on].sum())
-        misses = int((accepted[on] < verified[on]).sum())
+        hits = sum(a for _, a in on)
+        misses = sum(a < v for v, a in on)
         self.hits = self.decay * self.hits + hits
         self.misses = self.decay * self.misses + misses
         self.rounds += 1
-        self.verified += int(verified.sum())
+        self.verified += sum(verified)
         self.accepted += hits
 
     def to_dict(self) -> dict:

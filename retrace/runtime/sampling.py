@@ -107,3 +107,24 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     total = residual.sum()
     dist = torch.where((a < K) & (total > 0), residual / total.clamp_min(1e-30), p[a])
     return a, torch.multinomial(dist, 1, generator=gen)[0]
+
+
+def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:
+    """processed_probs(logits[i], params of row i) for the sampling rows, None for greedy rows; one call
+    per distinct (temperature, top_k, top_p) rather than one per row. A row that is no distribution gets
+    its request's `error` set (guard_rows)."""
+    out: list[torch.Tensor | None] = [None] * len(reqs)
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(reqs):
+        if not r.params.greedy:
+            groups.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
+    for rows in groups.values():
+        probs, bad = guard_rows(processed_probs(logits[rows], reqs[rows[0]].params))
+        for j in bad:  # the row fails alone (at its commit); guard_rows' one-hot there keeps the round going
+            p = reqs[rows[j]].params
+            reqs[rows[j]].error = (f"the sampling distribution of this request cannot be sampled (non-finite "
+                                   f"probabilities at temperature {p.temperature:g}, top_k {p.top_k}, "
+                                   f"top_p {p.top_p:g})")
+        for j, i in enumerate(rows):
+            out[i] = probs[j]
+    return out

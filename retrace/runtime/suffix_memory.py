@@ -1,9 +1,13 @@
-"""Persistent rejected-suffix buffers: one per batch slot, preallocated, one round deep.
+"""The previous round's rejected suffix per batch slot, preallocated, one round deep, in two views: what the
+ReTrace conditioner reads (the memory) and what a draft tree reads (the rejected trajectory). One
+alignment (`align`) serves both; admission, release and a round without a draft call clear both at once.
 
 After the verify of round r (anchor at p, a drafts accepted) the next anchor is p' = p + a + 1. The draft
 at old block slot j (absolute p + j) lines up with new slot k = j - a - 1 (same absolute position, so RoPE
-already matches). Valid new slots: k = 1 .. B-2-a (slot 0 is the new anchor, never fused); the memory is
-empty after prefill and when a >= B-2. For slot k we keep:
+already matches); slot 0 is the new anchor, never fused.
+
+The memory (retrace mode). Valid new slots: k = 1 .. B-2-a; it is empty after prefill and when a >= B-2.
+For slot k we keep:
   memory      = the drafter's final hidden state at old slot j,
   correction  = the verify-pass taps at old slot j-1 (the target state that scored d_j); they are part of
                 the next draft call's context taps, so we keep their index there (a + k), not a copy,
@@ -12,7 +16,15 @@ When the verify policy sent only K < B-1 drafts to the target, the drafts after 
 never scored: no target taps (correction) or target probabilities exist for them. They are left out of the
 memory (valid = 0), as if the block had ended at slot K+1: old slots j = a+2 .. min(K+1, B-1) are kept
 (d_{K+1} was scored by the target at slot K, the position of the bonus, so its features and correction
-exist). A round without a draft call leaves the memory empty.
+exist).
+
+The rejected trajectory (tree rounds: the `suffix` and `target` sources of runtime/draft_tree.py), for new
+slots k >= 1, stored as [slots, B-1] token ids at index k - 1 (-1 = none):
+  suffix[k] = old d_j, the round's block token at old slot j: the round path's token (runtime/tree_accept.py:
+              the accepted path continued by each node's best child as far as the tree goes), then the
+              drafter's top-1 token (drafted-but-unverified slots included);
+  target[k] = the target's argmax at old slot j - 1 of the round path, -1 where the path did not reach
+              old slot j - 1.
 """
 
 from __future__ import annotations
@@ -28,13 +40,18 @@ def align(accepted: torch.Tensor, block_size: int,
           verified: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """accepted [N] (verified [N]: drafts the target judged, default B-1) -> (old slot j [N,B], valid [N,B]
     bool, correction index [N,B]) for new slots k=0..B-1. Valid: old slots j = k+a+1 <= min(K+1, B-1)."""
-    k = torch.arange(block_size, device=accepted.device).unsqueeze(0)
-    a = accepted.unsqueeze(1)
+    k, j = shift(accepted, block_size)
     last = block_size - 1 if verified is None else (verified.unsqueeze(1) + 1).clamp_max(block_size - 1)
-    valid = (k >= 1) & (k + a + 1 <= last)
-    old_slot = torch.where(valid, k + a + 1, 0)
-    corr_index = torch.where(valid, k + a, 0)
+    valid = (k >= 1) & (j <= last)
+    old_slot = torch.where(valid, j, 0)
+    corr_index = torch.where(valid, j - 1, 0)
     return old_slot, valid, corr_index
+
+
+def shift(accepted: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """accepted [N] -> (new slot k [1, B], the old slot j = k + a + 1 at the same absolute position [N, B])."""
+    k = torch.arange(block_size, device=accepted.device).unsqueeze(0)
+    return k, k + accepted.unsqueeze(1) + 1
 
 
 def suffix_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor,
@@ -57,10 +74,14 @@ def suffix_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor,
 
 class SuffixMemory:
     def __init__(self, slots: int, block_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", trajectory: bool = True):
+        """trajectory: keep the rejected-trajectory view (the round writes it for trees only)."""
         B, d, F = block_size, hidden_size, len(FEATURES)
         self.block_size = B
+        self.keeps_trajectory = trajectory
         with torch.device(device):
+            self.suffix = torch.full((slots, B - 1), -1, dtype=torch.int64)  # the trajectory view
+            self.target = torch.full((slots, B - 1), -1, dtype=torch.int64)
             self.memory = torch.zeros(slots, B, d, dtype=dtype)
             self.features = torch.zeros(slots, B, F, dtype=torch.float32)
             self.valid = torch.zeros(slots, B, dtype=torch.float32)
@@ -78,7 +99,27 @@ class SuffixMemory:
         self.valid[slot] = 0
         self.count[slot] = 0
         self.position[slot] = -1
+        self.suffix[slot] = -1
+        self.target[slot] = -1
         self.filled.discard(slot)
+
+    def observe(self, outcome) -> None:
+        """After a round (runtime/round_outcome.py): remember its rejected suffix; a round without a drafter
+        call empties the rows' memory (it would be stale)."""
+        o, p = outcome, outcome.proposal
+        if not p.drafted:
+            self.forget(o.batch.slots)
+            return
+        if self.keeps_trajectory:
+            self.write_trajectory(o.batch.slots, o.block[:, 1:], o.target_argmax, o.path_len, o.accepted)
+        if o.batch.mode == "retrace":
+            self.write(o.batch.slots, p.hidden, o.block, o.path_logits(), p.draft_logits, o.accepted,
+                       o.batch.anchor_pos, o.target_argmax, o.path_len)
+
+    def forget(self, slots: torch.Tensor) -> None:
+        """Clear the rows of `slots` that hold anything (known on the host: no read)."""
+        for s in self.filled.intersection(host_values(slots)):
+            self.clear(s)
 
     def write(self, slots: torch.Tensor, hidden: torch.Tensor | None, block_tokens: torch.Tensor,
               verify_logits: torch.Tensor, draft_logits: torch.Tensor | None, accepted: torch.Tensor,
@@ -89,12 +130,10 @@ class SuffixMemory:
         verify_logits [N,K+1,V] (K+1 <= B) at slots 0..K; accepted [N]; anchor_pos [N] = p;
         target_argmax [N,K+1] optional (verify_logits.argmax(-1), if the caller has it); verified [N]: the
         drafts each row sent to the target (default: all K). Only scored drafts are remembered."""
-        rows = host_values(slots)
         if hidden is None:
-            for s in self.filled.intersection(rows):
-                self.clear(s)
+            self.forget(slots)
             return
-        self.filled.update(rows)
+        self.filled.update(host_values(slots))
         B = self.block_size
         K = verify_logits.shape[1] - 1
         if verified is None:
@@ -115,3 +154,19 @@ class SuffixMemory:
 
     def read(self, slots: torch.Tensor) -> SuffixInputs:
         return SuffixInputs(self.memory[slots], self.features[slots], self.valid[slots], self.corr_index[slots])
+
+    def write_trajectory(self, slots: torch.Tensor, top1: torch.Tensor, path_argmax: torch.Tensor,
+                         path_len: torch.Tensor, accepted: torch.Tensor) -> None:
+        """top1 [N, S]: the round's block tokens at old slots 1..S; path_argmax [N, L+1]: the target's argmax
+        at the round path's nodes (old slots 0..L, padded); path_len [N]: each row's L; accepted [N]."""
+        self.filled.update(host_values(slots))
+        S, L = top1.shape[1], path_argmax.shape[1] - 1
+        k, j = shift(accepted, self.block_size)
+        j, ok = j[:, 1:], j[:, 1:] <= S  # new slots k = 1..B-1; d_j exists up to the block's end
+        self.suffix[slots] = torch.where(ok, top1.gather(1, (j - 1).clamp(0, S - 1)), -1)
+        ok = (j - 1) <= path_len.unsqueeze(1)  # the target's argmax at old slot j - 1, where the path reached it
+        self.target[slots] = torch.where(ok, path_argmax.gather(1, (j - 1).clamp(0, L)), -1)
+
+    def trajectory(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tree sources' chains at new slots 1..B-1 ([N, B-1] each, -1 = none)."""
+        return {"suffix": self.suffix[slots], "target": self.target[slots]}

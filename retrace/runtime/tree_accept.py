@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from retrace.runtime.device import read
 from retrace.runtime.draft_tree import SOURCE_BITS, DraftTree
 from retrace.runtime.sampling import argmax
 from retrace.runtime.tree_budget import node_outcomes
@@ -87,9 +88,10 @@ def source_counts(tree: DraftTree, path: torch.Tensor,
     """Per source: (tries, hits, tries only, hits only) = its nodes whose parent is on the accepted path,
     those accepted, and the same two counts for the nodes no other source proposed."""
     child, hit = node_outcomes(tree, path, accepted)
-    return {s: (int((child & (tree.source & b > 0)).sum()), int((hit & (tree.source & b > 0)).sum()),
-                int((child & (tree.source == b)).sum()), int((hit & (tree.source == b)).sum()))
-            for s, b in SOURCE_BITS.items()}
+    counts = torch.stack([torch.stack([(child & (tree.source & b > 0)).sum(), (hit & (tree.source & b > 0)).sum(),
+                                       (child & (tree.source == b)).sum(), (hit & (tree.source == b)).sum()])
+                          for b in SOURCE_BITS.values()])
+    return {s: tuple(row) for s, row in zip(SOURCE_BITS, read(counts), strict=True)}  # one read for all
 
 
 def sample_tree_accept(tree: DraftTree, row: int, p: torch.Tensor, gen: torch.Generator,

@@ -1,0 +1,59 @@
+"""The drafter chain: the block [anchor, MASK x (B-1)] drafted in one call, conditioned on the committed
+context (and, in retrace mode, on the previous round's rejected suffix); greedy rows take the drafter's
+argmax, sampling rows sample its processed distribution; the verify policy picks K drafts per row."""
+
+from __future__ import annotations
+
+import torch
+
+from retrace.runtime.device import index_tensor
+from retrace.runtime.proposers.base import Proposal, RoundBatch, ranges
+from retrace.runtime.proposers.context import context
+from retrace.runtime.sampling import argmax, row_probs, sample_drafts
+
+
+class DrafterCall:
+    """One drafter call for a round's rows -> (hidden [N, B, d], draft_logits [N, S, V], drafts [N, S], q)."""
+
+    def __init__(self, backend, memory, block_size: int, mask_id: int):
+        self.backend, self.memory = backend, memory
+        self.block_size, self.mask_id = block_size, mask_id
+
+    def __call__(self, batch: RoundBatch, slots: int):
+        N, B, dev = batch.rows, self.block_size, batch.device
+        block_ids = torch.cat([batch.anchor.unsqueeze(1), torch.full((N, B - 1), self.mask_id, device=dev)], dim=1)
+        ctx_taps, ctx_pos = context(batch.reqs, self.backend.max_seq_len, dev)
+        suffix = self.memory.read(batch.slots) if batch.mode == "retrace" else None
+        hidden, draft_logits = self.backend.draft(batch.slots, ctx_taps, ctx_pos, block_ids,
+                                                  index_tensor(ranges(batch.anchor_host, B), dev), suffix)
+        draft_logits = draft_logits[:, :slots]
+        drafts, q = propose_tokens(draft_logits, batch.reqs)
+        return hidden, draft_logits, drafts, q
+
+
+def propose_tokens(draft_logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Greedy rows take the drafter's argmax; sampling rows sample from its processed distribution q
+    (q[i] is None for greedy rows) -> (drafts [N, S], q)."""
+    drafts = argmax(draft_logits)
+    q = row_probs(draft_logits, reqs)
+    for i, r in enumerate(reqs):
+        if q[i] is not None:
+            drafts[i] = sample_drafts(q[i], r.generator)
+    return drafts, q
+
+
+class DrafterChain:
+    """The drafter's block verified as a chain: K drafts per row from the verify policy's `choose`."""
+
+    def __init__(self, drafter: DrafterCall, policy, clock):
+        self.drafter, self.policy, self.clock = drafter, policy, clock
+
+    def propose(self, batch: RoundBatch, slots: int) -> Proposal:
+        start = self.clock.mark()
+        hidden, draft_logits, drafts, q = self.drafter(batch, slots)
+        verified = self.policy.choose(batch.mode, draft_logits, drafts, q)
+        return Proposal("chain", self, drafts, verified, slots, q, hidden, draft_logits,
+                        marks=(start, self.clock.mark()))
+
+    def observe(self, outcome) -> None:
+        pass  # the verify policy learns the chain's K (runtime/round_outcome.py PolicyObserver)
