@@ -2,7 +2,8 @@
 on one ONNX Runtime bundle (OnnxRuntimeBackend.use_draft_vocab swaps the subset), with each subset's
 coverage of held-out responses.
 
-    python benchmarks/draft_vocab_cost.py --engine B --small-target Z/target --train-prompts Z/data/train_prompts.jsonl \
+    python benchmarks/draft_vocab_cost.py --engine B --small-target Z/target \
+        --train-prompts Z/data/train_prompts.jsonl \
         --heldout Z/prompts --sizes 4096,8192,16384,32768 --json out.json
 
 B: a bundle built from a drafter directory that has a draft vocabulary (any size: the script swaps it);

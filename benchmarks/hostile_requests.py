@@ -73,7 +73,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([exe, "serve", "--engine", args.engine, "--port", str(port), "--threads", "1",
-                             "--no-verify-bundle", "--log-level", "warning", "--chat-template", str(tmp / "loop.jinja")])
+                             "--no-verify-bundle", "--log-level", "warning", "--chat-template",
+                             str(tmp / "loop.jinja")])
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"retrace serve exited with {proc.returncode}")

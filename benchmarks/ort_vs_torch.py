@@ -90,9 +90,12 @@ def per_call(backends: dict, seconds: float, reps: int) -> dict:
             slot_, ids, pos, li = args
             past = ort_be.tcache.past(slot_, int(pos[0, 0]), "gather")
             feed = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "past_len": pos[:, 0].numpy(),
-                    "logits_index": li.numpy(), **{n: p.numpy().copy() for n, p in zip(g.past_names, past, strict=True)}}
-            out[name]["ort sess.run"] = min(timeit(lambda feed=feed: g.sess.run(None, feed), seconds) for _ in range(reps))
-            out[name]["gather only"] = timeit(lambda a=slot_, p=int(pos[0, 0]): ort_be.tcache.past(a, p, "gather"), seconds)
+                    "logits_index": li.numpy(),
+                    **{n: p.numpy().copy() for n, p in zip(g.past_names, past, strict=True)}}
+            out[name]["ort sess.run"] = min(timeit(lambda feed=feed: g.sess.run(None, feed), seconds)
+                                            for _ in range(reps))
+            out[name]["gather only"] = timeit(lambda a=slot_, p=int(pos[0, 0]): ort_be.tcache.past(a, p, "gather"),
+                                              seconds)
     return out
 
 

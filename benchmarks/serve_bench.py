@@ -135,7 +135,8 @@ def aiperf_level(aiperf: str, port: int, endpoint: str, concurrency: int, reques
            "--streaming", "--concurrency", str(concurrency), "--request-count", str(requests),
            "--synthetic-input-tokens-mean", "64", "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(max_tokens), "--output-tokens-stddev", "0",
-           "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0", "--use-server-token-count", "--tokenizer", str(tokenizer),
+           "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0", "--use-server-token-count",
+           "--tokenizer", str(tokenizer),
            "--artifact-dir", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     metrics = json.loads((out / "profile_export_aiperf.json").read_text())

@@ -45,7 +45,8 @@ def client_env(genai_perf: str) -> dict[str, str]:
     env = dict(os.environ)
     venv_bin = str(Path(genai_perf).parent)
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-    libs = glob.glob(str(Path(venv_bin).parent / "lib" / "python3*" / "site-packages" / "nvidia" / "cuda_runtime" / "lib"))
+    libs = glob.glob(str(Path(venv_bin).parent / "lib" / "python3*" / "site-packages" / "nvidia" / "cuda_runtime"
+                         / "lib"))
     if libs:
         env["LD_LIBRARY_PATH"] = os.pathsep.join([libs[0], env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
     return env
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             tokens = total(after, "retrace_output_tokens_total") - total(before, "retrace_output_tokens_total")
             rows.append({"concurrency": c, "requests_per_s": stat(ex, "request_throughput"),
                          "output_tokens_per_s": stat(ex, "output_token_throughput"),
-                         "ttft_ms": stat(ex, "time_to_first_token"), "ttft_p99_ms": stat(ex, "time_to_first_token", "p99"),
+                         "ttft_ms": stat(ex, "time_to_first_token"),
+                         "ttft_p99_ms": stat(ex, "time_to_first_token", "p99"),
                          "itl_ms": stat(ex, "inter_token_latency"), "latency_ms": stat(ex, "request_latency"),
                          "output_len": stat(ex, "output_sequence_length"),
                          "tokens_per_round": tokens / rounds if rounds else 0.0, "wall_s": time.monotonic() - t0})

@@ -67,7 +67,8 @@ def block_rows(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], ma
         for s in range(0, len(use), 8):
             idx = use[s : s + 8]
             picks = pick_rounds(ex, idx, 10**6, None)
-            taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device, drafter.config.mask_token_id)
+            taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device,
+                                                                   drafter.config.mask_token_id)
             _, logits = bl.block_forward(drafter, taps, anchors, block_ids, None)
             p_fresh, fresh = logits.float().softmax(-1).max(-1)
             mem = drafter.target.logits(suffix.memory[:, :, 1:]).argmax(-1)

@@ -47,7 +47,8 @@ def run_config(zoo: Path, prompts, mode: str, budget: int, sources: str, max_new
     wall = time.perf_counter() - t0
     st = rt.run_stats()
     return {"tau": st["tau"], "per_prompt": [r.stats["tau"] for r in res], "rounds": st["rounds"],
-            "tokens": st["tokens"], "wall_s": round(wall, 2), "tokens_per_s": round(st["tokens"] / wall, 1), "accepted_hist": st["accepted_hist"],
+            "tokens": st["tokens"], "wall_s": round(wall, 2), "tokens_per_s": round(st["tokens"] / wall, 1),
+            "accepted_hist": st["accepted_hist"],
             "tree": st.get("tree"), "outputs": [r.token_ids for r in res]}
 
 
@@ -74,7 +75,8 @@ def main() -> None:
     block = json.loads((args.zoo / "drafter" / "config.json").read_text()).get("block_size", 16)
     budget = args.budget or block
     report = {"settings": {"zoo": str(args.zoo), "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                           "budget": budget, "block_size": block, "temperature": args.temperature, "max_batch": args.max_batch,
+                           "budget": budget, "block_size": block, "temperature": args.temperature,
+                           "max_batch": args.max_batch,
                            "threads": args.threads, "chain_policy": args.chain_policy}, "modes": {}}
     for mode in args.modes.split(","):
         configs = {"chain": run_config(args.zoo, prompts, mode, 0, "topk", args.max_new_tokens, args.max_batch,

@@ -37,7 +37,8 @@ def main(size: str, seed: int, out: str, threads: int, json_path: str | None) ->
                     "--seed", str(seed), "--threads", str(threads), "--numerics", "portable"], check=True)
     res = zoo_release.compare(Path(out), rel)
     report = {"release": rel["name"], "recipe_sha256": rel["recipe_sha256"],
-              "recipe_matches_code": rel["recipe_sha256"] == zoo_release.manifest_digest(zoo_release.recipe(size, seed)),
+              "recipe_matches_code": (rel["recipe_sha256"]
+                                      == zoo_release.manifest_digest(zoo_release.recipe(size, seed))),
               "built_with": rel["built_with"], "retrain_minutes": round((time.perf_counter() - t0) / 60, 1),
               "versions_here": json.loads((Path(out) / "manifest.json").read_text()).get("versions"), **res}
     text = json.dumps(report, indent=2)

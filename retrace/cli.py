@@ -23,7 +23,8 @@ def main() -> None:
 
 
 @main.command("init-conditioner")
-@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False), help="DFlash drafter directory")
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False),
+              help="DFlash drafter directory")
 @click.option("--init", "init", type=click.Choice(["zero", "random"]), default="zero", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="overwrite an existing conditioner")
@@ -125,7 +126,8 @@ def generate(target, drafter, engine, backend, options, prompt, prompt_ids, prom
         click.echo(r.text if r.text is not None else ",".join(map(str, r.token_ids)))
     t = stats["time"]
     click.echo(f"--- {stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau'] or 0:.2f}, "
-               f"rounds {stats['rounds']}, verified drafts {stats['verify_hist']}; time draft {t['draft_s']:.2f}s verify {t['verify_s']:.2f}s "
+               f"rounds {stats['rounds']}, verified drafts {stats['verify_hist']}; time draft {t['draft_s']:.2f}s "
+               f"verify {t['verify_s']:.2f}s "
                f"prefill {t['prefill_s']:.2f}s other {t['other_s']:.2f}s", err=True)
     _failed(results)
 
@@ -184,8 +186,9 @@ main.add_command(eval_cmd)
                    "each; quantized systems' names end in -int4 etc.")
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
-          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy, tree_budget,
-          tree_sources, prompt_lookup, tree_fixed, markdown_out, device, dtype, compile_steps, from_json, weights) -> None:
+          no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy,
+          tree_budget, tree_sources, prompt_lookup, tree_fixed, markdown_out, device, dtype, compile_steps, from_json,
+          weights) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line

@@ -1,7 +1,8 @@
 """How every `retrace` / `retrace-export` command reports failures: one line on stderr, no traceback.
 
 Exit codes: 2 for bad input, bad files or environment (RetraceError, and a path the command may not read or
-write: permission denied, a read-only file system, a file where a directory must be); 3 for a missing optional dependency
+write: permission denied, a read-only file system, a file where a directory must be); 3 for a missing optional
+dependency
 (MissingDependencyError, e.g. tensorrt); 130 for Ctrl-C or SIGTERM, after whatever was being written is
 cleaned up (commands that write in place, like training, say what they wrote).
 Only click is imported, so the command-line entry points stay fast.

@@ -45,7 +45,8 @@ def write_bench_pair(root, zero_logits: bool = False):
     save_tokenizer(tok, target)
     drafter = write_drafter(root / "drafter", target, block_size=4, conditioner="random", seed=6)
     if zero_logits:
-        for f, key in ((target / "model.safetensors", "model.norm.weight"), (drafter / "model.safetensors", "norm.weight")):
+        for f, key in ((target / "model.safetensors", "model.norm.weight"),
+                       (drafter / "model.safetensors", "norm.weight")):
             w = load_file(f)
             w[key] = torch.zeros_like(w[key])
             save_file(w, f, metadata={"format": "pt"})
@@ -244,7 +245,8 @@ def test_tree_systems_run_under_the_policy_and_at_fixed_budgets(tmp_path):
     threads = torch.get_num_threads()
     target, drafter, prompts = write_bench_pair(tmp_path)
     try:
-        results, _, _ = bench(tmp_path, target, drafter, prompts, "--systems", "retrace-torch-ar,retrace-torch-dflash-tree*",
+        results, _, _ = bench(tmp_path, target, drafter, prompts, "--systems",
+                              "retrace-torch-ar,retrace-torch-dflash-tree*",
                               "--tree-budget", 6, "--tree-fixed", 3, "--peer-env", "inherit")
     finally:
         torch.set_num_threads(threads)

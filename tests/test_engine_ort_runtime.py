@@ -142,7 +142,8 @@ def test_returns_torch_tensors_without_copies(world):
     assert taps.shape == (1, ids.shape[1], be.drafter_config.num_taps * be.target_config.hidden_size)
     # the K/V landed in slot 1 at positions 0..T-1, nothing elsewhere
     k0 = be.tcache.k[0]
-    assert k0[1, :, : ids.shape[1]].abs().sum() > 0 and k0[0].abs().sum() == 0 and k0[1, :, ids.shape[1]:].abs().sum() == 0
+    assert (k0[1, :, : ids.shape[1]].abs().sum() > 0 and k0[0].abs().sum() == 0
+            and k0[1, :, ids.shape[1]:].abs().sum() == 0)
 
 
 # -- the CLI ----------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ MISFITS = {
     "vocab": (dict(vocab=100), "vocab_size 100 != target vocab_size 128"),
     "layer-id": (dict(target_layer_ids=[1, 4]), "target_layer_ids [4] do not exist in a 4-layer target"),
     "mask-id": (dict(mask_token_id=128), "mask_token_id 128 is outside the target vocab (size 128)"),
-    "num-target-layers": (dict(target_layer_ids=[2], config_overrides={"num_target_layers": 36}), "num_target_layers 36 != target's 4"),
+    "num-target-layers": (dict(target_layer_ids=[2], config_overrides={"num_target_layers": 36}),
+                          "num_target_layers 36 != target's 4"),
 }
 
 

@@ -92,7 +92,8 @@ UNSUPPORTED = {
     ),
     "use_sliding_window": (dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), "use_sliding_window"),
     "layer_types-sliding": (
-        dict(layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"], sliding_window=64),
+        dict(layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"],
+             sliding_window=64),
         "sliding_attention",
     ),
     "attention_bias": (dict(attention_bias=True), "attention_bias"),
@@ -210,7 +211,8 @@ def test_linear_rope_scaling_beside_rope_parameters_is_refused(tiny_pair):
 
 
 @pytest.mark.parametrize("updates,needle", [
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}), "rope_parameters.rope_theta=-1 must be a positive"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1}),
+     "rope_parameters.rope_theta=-1 must be a positive"),
     (dict(rope_parameters=None, rope_theta=-1), "rope_theta=-1 must be a positive"),
     (dict(rope_parameters=None, rope_theta="1e6"), "rope_theta='1e6' must be a positive"),
     (dict(hidden_size="64"), "hidden_size='64' must be a positive integer"),

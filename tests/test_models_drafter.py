@@ -121,7 +121,8 @@ def test_logits_match_transformers_assistant(with_hf):
     N, C, B = 2, 11, drafter.config.block_size
     ctx = context_taps(target, N, C)
     ids = block(drafter, [5, 77])
-    hidden, logits, new_k, _ = draft(drafter, ctx, torch.arange(C).expand(N, C), ids, torch.arange(C, C + B).expand(N, B))
+    hidden, logits, new_k, _ = draft(drafter, ctx, torch.arange(C).expand(N, C), ids,
+                                     torch.arange(C, C + B).expand(N, B))
     assert hidden.shape == (N, B, 64) and logits.shape == (N, B - 1, 128)
     assert len(new_k) == drafter.config.layers.num_hidden_layers and new_k[0].shape[2] == C
     with torch.no_grad():

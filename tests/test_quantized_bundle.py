@@ -112,7 +112,8 @@ def test_trees_prompt_lookup_and_the_lm_head_session(qbundle):
     rt = _runtime(bundle, seqs, lm_head_session=True)
     assert rt.backend.inner.head is not None and rt.backend.inner.tgraph.rows
     assert [r.token_ids for r in rt.generate(prompts, params, "dflash")] == want
-    ar = Runtime(OnnxRuntimeBackend.from_bundle(bundle, threads=1, lm_head_session=True)).generate(prompts, params, "ar")
+    ar = Runtime(OnnxRuntimeBackend.from_bundle(bundle, threads=1,
+                                                lm_head_session=True)).generate(prompts, params, "ar")
     assert [r.token_ids for r in ar] == want
 
 
@@ -127,7 +128,8 @@ def test_sampling_follows_the_quantized_targets_distribution(qbundle):
     for i in range(0, len(prefixes), MAX_BATCH):
         ids = torch.tensor(prefixes[i:i + MAX_BATCH])
         N, T = ids.shape
-        logits, _ = be.target(torch.arange(N), ids, torch.arange(T).expand(N, T), torch.tensor([[T - 3, T - 2, T - 1]] * N))
+        logits, _ = be.target(torch.arange(N), ids, torch.arange(T).expand(N, T),
+                              torch.tensor([[T - 3, T - 2, T - 1]] * N))
         probs.append(logits.double().softmax(-1))
     probs = torch.cat(probs).view(V, V, 3, V)  # [t1, t2, position, next]
     joint = probs[0, 0, 0][:, None, None] * probs[:, 0, 1][:, :, None] * probs[:, :, 2]  # P(t1, t2, t3)

@@ -49,7 +49,8 @@ def test_json_shape_with_text_prompt(dirs):
     out = ok_json(res)
     assert set(out) >= {"outputs", "stats"}
     (o,) = out["outputs"]
-    assert isinstance(o["token_ids"], list) and len(o["token_ids"]) == 12 and all(isinstance(t, int) for t in o["token_ids"])
+    assert (isinstance(o["token_ids"], list) and len(o["token_ids"]) == 12
+            and all(isinstance(t, int) for t in o["token_ids"]))
     assert o["text"] == words(o["token_ids"])
     st = out["stats"]
     assert {"tau", "rounds", "tokens_per_s"} <= set(st)
@@ -75,7 +76,8 @@ def test_text_prompt_without_tokenizer_is_a_user_error(dirs):
 
 
 def test_prompts_file_runs_as_one_batch(dirs, tmp_path):
-    lines = [{"prompt": words([1, 2, 3])}, {"prompt_ids": [7]}, {"prompt": words([4] * 9)}, {"prompt_ids": [3, 3, 8, 1]}]
+    lines = [{"prompt": words([1, 2, 3])}, {"prompt_ids": [7]}, {"prompt": words([4] * 9)},
+             {"prompt_ids": [3, 3, 8, 1]}]
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     out = ok_json(run("--target", dirs["target"], "--drafter", dirs["drafter"], "--prompts-file", f,

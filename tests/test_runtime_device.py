@@ -69,7 +69,8 @@ def test_dtype_reaches_weights_caches_and_the_first_token(pair, dtype):
     out = rt.generate([prompt], SamplingParams(max_new_tokens=4), "retrace")[0].token_ids
     model = be.target_model
     past = model.empty_past(1)
-    logits = model(torch.tensor([prompt]), torch.arange(len(prompt)).unsqueeze(0), *past, torch.zeros(1, dtype=torch.long),
+    logits = model(torch.tensor([prompt]), torch.arange(len(prompt)).unsqueeze(0), *past,
+                   torch.zeros(1, dtype=torch.long),
                    torch.tensor([[len(prompt) - 1]]))[0]
     assert out[0] == int(logits[0, 0].argmax())
 
@@ -95,7 +96,8 @@ def test_triton_repository_for_cuda_is_a_gpu_instance_group(tmp_path):
                             vendor_package=False)
     cfg = (repo / "retrace" / "config.pbtxt").read_text()
     assert "count: 2 kind: KIND_GPU" in cfg and 'key: "RETRACE_DEVICE" value: { string_value: "cuda" }' in cfg
-    with pytest.raises(RepositoryError, match="the onnxruntime backend runs on cpu: device 'cuda' needs a tensorrt bundle"):
+    with pytest.raises(RepositoryError,
+                       match="the onnxruntime backend runs on cpu: device 'cuda' needs a tensorrt bundle"):
         write_repository(bundle, tmp_path / "bad", backend="onnxruntime", device="cuda", vendor_package=False)
     assert not (tmp_path / "bad").exists()
 

@@ -12,7 +12,8 @@ top-k / top-p warpers. Two chi-square goodness-of-fit tests per configuration, e
 Cells with expected count < 5 are pooled. Power: for any alternative at total-variation distance
 >= 0.05 from the exact distribution (on the pooled cells) the noncentrality is >= 4 N 0.05^2 (Cauchy-
 Schwarz), and the test asserts the asymptotic power at that noncentrality is > 0.9 for the N and degrees
-of freedom used (T=1: N = 6000, df <= 63, power ~0.96; top-k/top-p leave fewer cells, N = 5000). The drafts must be accepted sometimes (tau > 1, every acceptance length occurs),
+of freedom used (T=1: N = 6000, df <= 63, power ~0.96; top-k/top-p leave fewer cells, N = 5000). The drafts must be
+accepted sometimes (tau > 1, every acceptance length occurs),
 otherwise the check says nothing about the acceptance rule; and two wrong acceptance rules (always
 accept; on rejection resample from p instead of the residual max(0, p - q)) must fail the same check.
 """

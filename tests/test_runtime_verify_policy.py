@@ -129,4 +129,5 @@ def test_drafting_turns_off_backs_off_and_comes_back():
 def test_fixed_policy_is_the_whole_block():
     p = FixedPolicy(16)
     assert p.plan("retrace", 5) == 15
-    assert p.choose("retrace", torch.zeros(5, 15, 3), torch.zeros(5, 15, dtype=torch.int64), [None] * 5).tolist() == [15] * 5
+    assert p.choose("retrace", torch.zeros(5, 15, 3), torch.zeros(5, 15, dtype=torch.int64),
+                    [None] * 5).tolist() == [15] * 5

@@ -120,11 +120,13 @@ def test_write_trtllm_deployment(tmp_path):
     assert (out / "target").is_symlink() and (out / "target" / "config.json").is_file()
     assert (out / "drafter" / "config.json").is_file()
     spec = res["speculative_config"]
-    assert spec == {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": str((out / "drafter").absolute()),
+    assert spec == {"decoding_type": "DFlash", "max_draft_len": 7,
+                    "speculative_model": str((out / "drafter").absolute()),
                     "mask_token_id": 255, "target_layer_ids": [0, 1], "attention_backend": "TRTLLM"}
     serve = res["serve"].read_text()
     assert res["serve"].stat().st_mode & 0o111
-    assert 'trtllm-serve "$HERE/target"' in serve and '--extra_llm_api_options "$HERE/extra_llm_api_options.yaml"' in serve
+    assert ('trtllm-serve "$HERE/target"' in serve
+            and '--extra_llm_api_options "$HERE/extra_llm_api_options.yaml"' in serve)
     assert "--max_batch_size 2 --max_seq_len 512" in serve
     assert subprocess.run(["bash", "-n", str(res["serve"])]).returncode == 0
     src = res["python"].read_text()

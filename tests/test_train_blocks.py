@@ -38,7 +38,8 @@ def test_block_forward_equals_drafter_block_by_block(tiny_pair, layers, with_suf
     if with_suffix:
         d, kd = drafter.config.hidden_size, taps.shape[-1]
         suffix = bl.BlockSuffix(torch.randn(N, nb, B, d, generator=g), torch.rand(N, nb, B, 3, generator=g),
-                                (torch.rand(N, nb, B, generator=g) > 0.4).float(), torch.randn(N, nb, B, kd, generator=g))
+                                (torch.rand(N, nb, B, generator=g) > 0.4).float(),
+                                torch.randn(N, nb, B, kd, generator=g))
         suffix.valid[..., 0] = 0
     with torch.no_grad():
         h, logits = bl.block_forward(drafter, taps, anchors, ids, suffix)
@@ -52,7 +53,8 @@ def test_block_forward_equals_drafter_block_by_block(tiny_pair, layers, with_suf
             if suffix is not None:  # correction taps are appended to the call's context (masked: positions >= anchor)
                 ctx = torch.cat([ctx, suffix.corr_taps[n : n + 1, b]], 1)
                 pos = torch.cat([pos, torch.arange(p + B, p + 2 * B).unsqueeze(0)], 1)
-                si = SuffixInputs(suffix.memory[n : n + 1, b], suffix.features[n : n + 1, b], suffix.valid[n : n + 1, b],
+                si = SuffixInputs(suffix.memory[n : n + 1, b], suffix.features[n : n + 1, b],
+                                  suffix.valid[n : n + 1, b],
                                   torch.arange(p, p + B).unsqueeze(0))
             pk, pv = drafter.empty_past(1)
             with torch.no_grad():

@@ -81,7 +81,8 @@ def test_resume_gives_identical_continuation(setup, tmp_path):
 
 
 def test_mask_token_lookup(tmp_path):
-    tok = {"added_tokens": [{"id": 0, "content": "<|endoftext|>"}, {"id": 2, "content": "<|mask|>"}], "model": {"vocab": {}}}
+    tok = {"added_tokens": [{"id": 0, "content": "<|endoftext|>"}, {"id": 2, "content": "<|mask|>"}],
+           "model": {"vocab": {}}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
     assert find_mask_token_id(tmp_path, 100) == 2
     assert find_mask_token_id(tmp_path, 100, 7) == 7

@@ -214,6 +214,7 @@ def test_a_full_disk_during_a_forced_run_keeps_the_previous_drafter(tmp_path, mo
     monkeypatch.setattr(dflash, "_train_dflash", full)
     with pytest.raises(OutputDirError) as e:
         train_dflash(tmp_path / "t", d, tmp_path / "p.jsonl", DFlashConfig(device="cpu"), force=True, progress=False)
-    assert str(e.value).startswith(f"no space left on the device while writing {d}") and "nothing was changed" in str(e.value)
+    assert (str(e.value).startswith(f"no space left on the device while writing {d}")
+            and "nothing was changed" in str(e.value))
     assert (d / "model.safetensors").read_bytes() == b"weights" and (d / "retrace.safetensors").read_bytes() == b"cond"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]

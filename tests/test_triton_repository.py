@@ -40,7 +40,8 @@ def test_valid_request_defaults_and_all_inputs():
          "mode": S("dflash"), "stream": np.array([True])},
         "", LIMITS)
     assert spec.prompt_ids == [1, 2, 3] and spec.prompt_text is None
-    assert spec.sampling_kwargs() == {"max_new_tokens": 7, "temperature": pytest.approx(0.7), "top_p": pytest.approx(0.9),
+    assert spec.sampling_kwargs() == {"max_new_tokens": 7, "temperature": pytest.approx(0.7),
+                                      "top_p": pytest.approx(0.9),
                                       "top_k": 20, "seed": 3, "stop": ["\n", "END"]}
     assert spec.mode == "dflash" and spec.stream is True
     # Triton's reserved parameters pass
@@ -56,9 +57,12 @@ def test_valid_request_defaults_and_all_inputs():
         (base(text_input=S("a", "b")), "{}", "exactly one string"),
         (base(text_input=S(b"\xff\xfe")), "{}", "not valid UTF-8"),
         (base(text_input=np.array([1.0], np.float32)), "{}", "expected BYTES"),
-        ({"input_ids": np.array([], np.int64), "max_tokens": np.array([5], np.int32)}, "{}", "'input_ids' is an empty prompt"),
-        ({"input_ids": np.array([1.5], np.float32), "max_tokens": np.array([5], np.int32)}, "{}", "'input_ids' has data type float32"),
-        ({"input_ids": np.array([5, 999], np.int64), "max_tokens": np.array([5], np.int32)}, "{}", "token id 999 outside [0, 128)"),
+        ({"input_ids": np.array([], np.int64), "max_tokens": np.array([5], np.int32)}, "{}",
+         "'input_ids' is an empty prompt"),
+        ({"input_ids": np.array([1.5], np.float32), "max_tokens": np.array([5], np.int32)}, "{}",
+         "'input_ids' has data type float32"),
+        ({"input_ids": np.array([5, 999], np.int64), "max_tokens": np.array([5], np.int32)}, "{}",
+         "token id 999 outside [0, 128)"),
         ({"input_ids": np.array([-1], np.int64), "max_tokens": np.array([5], np.int32)}, "{}", "token id -1"),
         ({"input_ids": np.ones((2, 2), np.int64), "max_tokens": np.array([5], np.int32)}, "{}", "must be 1-D"),
         ({"text_input": S("abc")}, "{}", "missing input 'max_tokens'"),
@@ -147,7 +151,8 @@ def test_vllm_convention_sampling_parameters():
     ({"min_length": I(6)}, "input 'min_length' must be in [0, max_tokens=5]"),
     ({"min_tokens": I(-1)}, "input 'min_tokens' must be in [0, max_tokens=5]"),
     ({"ignore_eos": I(1)}, "'ignore_eos' has data type int32, expected BOOL"),
-    ({"min_tokens": I(1), "min_length": I(1)}, "'min_tokens' is given twice (input 'min_tokens' and input 'min_length')"),
+    ({"min_tokens": I(1), "min_length": I(1)},
+     "'min_tokens' is given twice (input 'min_tokens' and input 'min_length')"),
     ({"stop": S("a"), "stop_words": S("b")}, "'stop' is given twice"),
     ({"sampling_parameters": S('{"max_tokens": 3}')}, "'max_tokens' is given twice (input 'max_tokens' and "
                                                      "sampling_parameters 'max_tokens')"),

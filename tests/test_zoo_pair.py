@@ -48,7 +48,8 @@ def test_pair_generates_losslessly(zoo_dir):
     outs = {}
     for mode in ("ar", "dflash", "retrace"):
         res = CliRunner().invoke(main, ["generate", "--target", str(zoo_dir / "target"), "--drafter",
-                                        str(zoo_dir / "drafter"), "--prompts-file", str(zoo_dir / "prompts" / "code.jsonl"),
+                                        str(zoo_dir / "drafter"), "--prompts-file",
+                                        str(zoo_dir / "prompts" / "code.jsonl"),
                                         "--mode", mode, "--max-new-tokens", "24", "--json", "--threads", "1"])
         assert res.exit_code == 0, res.output
         outs[mode] = [o["token_ids"] for o in json.loads(res.output)["outputs"]]

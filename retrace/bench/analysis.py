@@ -32,7 +32,8 @@ def per_prompt_tau(accepted: list[list[int]] | None) -> dict:
     per = [t for t in (_tau([a])[0] for a in accepted or []) if t is not None]
     if not per:
         return {}
-    return {"tau_per_prompt": per, "tau_prompt_mean": statistics.fmean(per), "tau_prompt_median": statistics.median(per)}
+    return {"tau_per_prompt": per, "tau_prompt_mean": statistics.fmean(per),
+            "tau_prompt_median": statistics.median(per)}
 
 
 def _hist(accepted: list[list[int]]) -> list[int]:
@@ -55,7 +56,8 @@ def _time_split(rs: list[RunOut]) -> dict | None:
         mean[f"{k}_share"] = mean[f"{k}_s"] / w
     mean["forward_share"] = mean["forward_s"] / w
     mean["outside_forward_share"] = mean["outside_forward_s"] / w
-    mean["target_ms_per_call"] = 1000 * mean["target_forward_s"] / mean["target_calls"] if mean["target_calls"] else None
+    mean["target_ms_per_call"] = (1000 * mean["target_forward_s"] / mean["target_calls"] if mean["target_calls"]
+                                  else None)
     mean["draft_ms_per_call"] = 1000 * mean["draft_forward_s"] / mean["draft_calls"] if mean["draft_calls"] else None
     return mean
 
@@ -122,7 +124,8 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
         "command": cfg.command,
         "config": {"target": str(cfg.target), "drafter": str(cfg.drafter), "engine": cfg.engine,
                    "prompts": [str(p) for p in cfg.prompts], "n_prompts": len(prompts),
-                   "prompt_tokens": [len(p.ids) for p in prompts], "truncated_prompts": sum(p.truncated > 0 for p in prompts),
+                   "prompt_tokens": [len(p.ids) for p in prompts],
+                   "truncated_prompts": sum(p.truncated > 0 for p in prompts),
                    "max_new_tokens": N, "batch_sizes": list(batch_sizes), "runs": cfg.runs, "threads": threads,
                    "block_size": built.block_size,
                    "greedy": True, "eos": "ignored by every system (exactly max_new_tokens each)",
@@ -283,7 +286,8 @@ def round_analysis(systems: list[dict], n_prompts: int) -> list[dict]:
 
 def goals(systems: list[dict], rat: list[dict]) -> dict:
     ok = {(s["name"], s["batch_size"]): s for s in systems if s["status"] == "ok"}
-    head = HEADLINE if (HEADLINE, 1) in ok else ("retrace-torch-retrace" if ("retrace-torch-retrace", 1) in ok else None)
+    head = (HEADLINE if (HEADLINE, 1) in ok
+            else ("retrace-torch-retrace" if ("retrace-torch-retrace", 1) in ok else None))
     res: dict = {"system": head, "targets": GOALS}
     if head is None:
         return res

@@ -212,7 +212,8 @@ def build_genai_draft_model(target_dir: str | Path, draft_dir: str | Path, cache
     dv = json.loads((draft_dir / "config.json").read_text())["vocab_size"]
     if dv > tv:
         raise RetraceError(f"draft {draft_dir} has a larger vocabulary ({dv}) than the target ({tv})")
-    root = Path(cache_dir) / f"genai-draft-{dir_digest(draft_dir, extra=f'{version}/{tv}' + ('' if precision == 'fp32' else '/' + precision))}"
+    extra = f"{version}/{tv}" + ("" if precision == "fp32" else "/" + precision)
+    root = Path(cache_dir) / f"genai-draft-{dir_digest(draft_dir, extra=extra)}"
     src = draft_dir
     if dv < tv and not (root / "base" / "genai_config.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
@@ -261,7 +262,8 @@ def build_hf_assistant(drafter_dir: str | Path, target_dir: str | Path, cache_di
 
 def exporter_available() -> str | None:
     """None if an ONNX Runtime bundle can be built and run here, else the reason it cannot."""
-    for mod, what in (("onnxruntime", "onnxruntime"), ("retrace.runtime.onnxruntime_backend", "the ONNX Runtime backend"),
+    for mod, what in (("onnxruntime", "onnxruntime"),
+                      ("retrace.runtime.onnxruntime_backend", "the ONNX Runtime backend"),
                       ("retrace.export.cli", "the exporter (retrace-export)")):
         try:
             if importlib.util.find_spec(mod) is None:

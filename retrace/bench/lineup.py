@@ -64,13 +64,15 @@ def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig, suffix: s
         if policy.startswith("tree:") and policy not in runtimes:
             graph = getattr(rt.backend, "tgraph", None)  # an ONNX Runtime bundle: its target graph
             if graph is not None and not ({"tree_mask", "attention_bias"} & set(graph.inputs)):
-                built.skip([name], "the bundle's target graph has no tree_mask input (retrace-export build --tree-mask)")
+                built.skip([name],
+                           "the bundle's target graph has no tree_mask input (retrace-export build --tree-mask)")
                 continue
             _, tree_policy, budget = policy.split(":")
             runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=tree_policy,
                                        tree_budget=int(budget), tree_sources=cfg.tree_sources)
         if policy.startswith("lookup:") and policy not in runtimes:
-            runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=policy.split(":")[1],
+            runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size,
+                                       verify_policy=policy.split(":")[1],
                                        prompt_lookup=True)
         if policy not in runtimes:
             runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=policy)

@@ -86,7 +86,8 @@ def analysis_lines(results: dict, batch_sizes: tuple[int, ...] = (1,)) -> list[s
             continue
         out.append(
             f"{a['system']} b={a['batch_size']}: a round takes {a['round_ms']:.2f} ms (verify {a['verify_ms']:.2f}, "
-            f"draft {_f(a['draft_ms'], '{:.2f}', 'none')}, outside the forwards {a['outside_forward_ms_per_round']:.2f}) for tau "
+            f"draft {_f(a['draft_ms'], '{:.2f}', 'none')}, outside the forwards "
+            f"{a['outside_forward_ms_per_round']:.2f}) for tau "
             f"{a['tau']:.2f} tokens per row; {a['peer']} takes {a['peer_ms_per_step']:.2f} ms per step of "
             f"{a['batch_size']} token(s), so one verify costs {a['verify_over_peer_step']:.1f} of its steps; ratio "
             f"{a['ratio']:.2f}x, "
@@ -187,7 +188,8 @@ def render_markdown(results: dict) -> str:
             *(col for _, col in PEER_COLUMNS), "same output"]
     lines = [f"Greedy, {c['n_prompts']} prompts x {c['max_new_tokens']} new tokens, median of {c['runs']} "
              f"interleaved runs, {c['threads']} threads.", "",
-             "| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+             "| " + " | ".join(head) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
     for r in rows(results):
         if r["status"] != "ok":
             cells = [f"`{r['system']}`", str(r["batch"]), "n/a", "", "", r["reason"] or "",

@@ -77,7 +77,8 @@ def run_bench(cfg: BenchConfig, console=None, show_progress: bool = True) -> dic
     built = _build(cfg, threads, max_seq_len, max(batch_sizes), log, min(ctx, 2048), ids[:2], batch_sizes, machine)
     built.block_size = B
     if not built.systems:
-        raise RetraceError("no system could be built: " + "; ".join(f"{s['name']}: {s['reason']}" for s in built.skipped))
+        raise RetraceError("no system could be built: "
+                           + "; ".join(f"{s['name']}: {s['reason']}" for s in built.skipped))
 
     pairs = [(s, b) for b in batch_sizes for s in built.systems if s.supports(b) is None]
     runs: dict[tuple[str, int], list[RunOut]] = {(s.name, b): [] for s, b in pairs}

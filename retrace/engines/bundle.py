@@ -111,7 +111,8 @@ def read_manifest(root: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise BundleError(f"{path}: not a retrace engine bundle manifest (format {m.get('format') if isinstance(m, dict) else None!r}, "
+        raise BundleError(f"{path}: not a retrace engine bundle manifest (format "
+                          f"{m.get('format') if isinstance(m, dict) else None!r}, "
                           f"expected {FORMAT!r})")
     v = m.get("format_version")
     if v not in SUPPORTED_VERSIONS:

@@ -69,7 +69,8 @@ def _backends() -> list[str]:
 @click.option("--tree-mask", is_flag=True,
               help="give the target graph the optional tree_mask input (tree verification: --tree-budget)")
 @cli_errors
-def build(target, drafter, out, backend, dtype, weights, weight_block_size, accuracy_level, max_batch, max_seq_len, block_size, attention, tolerance,
+def build(target, drafter, out, backend, dtype, weights, weight_block_size, accuracy_level, max_batch, max_seq_len,
+          block_size, attention, tolerance,
           conditioner, force, quiet, triton_repo, tree_mask) -> None:
     """Export, check and package a target (+ drafter) as an engine bundle.
 
@@ -168,7 +169,8 @@ def _summary(out: Path, manifest: dict, seconds: float) -> None:
     console.print(f"{len(manifest['files'])} files, {_size(total)}, built in {seconds:.1f} s; backend "
                   f"{manifest['backend']}, {manifest['dtype']}, max_batch {lim['max_batch']}, max_seq_len "
                   f"{lim['max_seq_len']}, block_size {lim['block_size']}"
-                  + (f"; parity max |Δlogits| {worst:.1e} (tolerance {par['tolerance']:g})" if worst is not None else ""))
+                  + (f"; parity max |Δlogits| {worst:.1e} (tolerance {par['tolerance']:g})"
+                     if worst is not None else ""))
     if manifest.get("quantization"):
         q = manifest["quantization"]
         a = q.get("agreement_with_fp32") or {}
@@ -203,7 +205,8 @@ def inspect(bundle: Path, as_json: bool, quick: bool) -> None:
                                "manifest_problems": problems}, indent=2))
     else:
         console = Console()
-        console.print(f"[bold]{bundle}[/bold]: {m['format']} v{m['format_version']}, retrace {m.get('retrace_version')}, "
+        console.print(f"[bold]{bundle}[/bold]: {m['format']} v{m['format_version']}, retrace "
+                      f"{m.get('retrace_version')}, "
                       f"built {m.get('created_utc')}")
         console.print(f"backend {m.get('backend')}, dtype {m.get('dtype')}, weights {m.get('weights', 'fp32')}, "
                       f"limits {json.dumps(m.get('limits'))}")

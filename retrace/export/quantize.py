@@ -117,7 +117,8 @@ def quantize_lm_head(model, base_dir: Path) -> str | None:
     g.initializer.append(wt)
     at = list(g.node).index(gemm)
     g.node.remove(gemm)
-    g.node.insert(at, onnx.helper.make_node("MatMul", [gemm.input[0], wt.name], list(gemm.output), name="lm_head_matmul"))
+    g.node.insert(at,
+                  onnx.helper.make_node("MatMul", [gemm.input[0], wt.name], list(gemm.output), name="lm_head_matmul"))
     prune(g)
     return head.weight
 

@@ -251,7 +251,8 @@ class TritonServer:
                 problems.append("processes of its group outlived it")
             if problems:
                 raise TritonServerError(
-                    f"tritonserver did not stop cleanly ({', '.join(problems)}); log {self.log_path}:\n{self.log_tail()}"
+                    f"tritonserver did not stop cleanly ({', '.join(problems)}); log "
+                    f"{self.log_path}:\n{self.log_tail()}"
                 )
         return rc
 

@@ -213,7 +213,8 @@ def roofline(target, device, repeats: int) -> dict:
     params = list(target.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in params)
     s = time_call(lambda: [p.amax() for p in params], device, repeats)
-    return {"weight_bytes": nbytes, "read_all_weights_ms": round(1e3 * s, 3), "bandwidth_GBps": round(nbytes / s / 1e9, 1)}
+    return {"weight_bytes": nbytes, "read_all_weights_ms": round(1e3 * s, 3),
+            "bandwidth_GBps": round(nbytes / s / 1e9, 1)}
 
 
 def hf_eager(target, prompt: list[int], n: int, device) -> dict:
@@ -221,7 +222,8 @@ def hf_eager(target, prompt: list[int], n: int, device) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     c = target.config.layers
-    cfg = Qwen3Config(vocab_size=target.config.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+    cfg = Qwen3Config(vocab_size=target.config.vocab_size, hidden_size=c.hidden_size,
+                      num_hidden_layers=c.num_hidden_layers,
                       num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                       head_dim=c.head_dim, intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
                       rope_theta=c.rope_theta, max_position_embeddings=4096, tie_word_embeddings=False,

@@ -38,7 +38,8 @@ def render(data: dict) -> str:
         lines += ["", f"## kernels: {len(ker['cases']) - len(bad)}/{len(ker['cases'])} cases within tolerance"
                       + (f" (failing: {bad})" if bad else "")]
         for dt, t in ker.get("timing", {}).items():
-            lines.append(f"- {dt} {t.get('shape')}: kernel {t.get('kernel_ms')} ms, reference {t.get('reference_ms')} ms"
+            lines.append(f"- {dt} {t.get('shape')}: kernel {t.get('kernel_ms')} ms, "
+                         f"reference {t.get('reference_ms')} ms"
                          f", speedup {t.get('speedup')}" + (f" ERROR {t['error'][:200]}" if "error" in t else ""))
     sc = s.get("scale", {}).get("result", {})
     if sc:

@@ -158,7 +158,8 @@ def train_drafter(c: ScaleConfig, work: Path, device, result: dict) -> None:
                        num_prompts=c.dflash_prompts, val_prompts=64, max_new_tokens=c.dflash_new_tokens,
                        gen_batch=c.dflash_gen_batch, steps=c.dflash_steps, batch_size=c.dflash_batch,
                        blocks_per_seq=16, lr=c.dflash_lr, warmup=min(60, c.dflash_steps // 10), eval_every=0,
-                       save_every=0, eval_tau_prompts=c.train_eval_prompts, eval_tau_new_tokens=min(64, c.dflash_new_tokens),
+                       save_every=0, eval_tau_prompts=c.train_eval_prompts,
+                       eval_tau_new_tokens=min(64, c.dflash_new_tokens),
                        max_train_seconds=c.dflash_seconds, seed=c.seed, device=str(device))
     m = train_dflash(work / "target", work / "drafter", work / "data" / "train_prompts.jsonl", cfg, progress=False)
     result["dflash"] = {k: m.get(k) for k in ("steps", "train_loss", "val", "val_runtime_tau", "drafter_params",
@@ -173,7 +174,8 @@ def train_conditioner(c: ScaleConfig, work: Path, device, result: dict) -> None:
                             rollout_batch=min(128, c.cond_rollout_prompts), max_new_tokens=c.dflash_new_tokens,
                             num_prompts=c.dflash_prompts, val_prompts=64, eval_prompts=c.train_eval_prompts,
                             eval_new_tokens=min(64, c.dflash_new_tokens), batch_size=c.cond_batch, warmup=20,
-                            diagnose_seqs=c.train_eval_prompts, max_train_seconds=c.cond_seconds, seed=c.seed, device=str(device))
+                            diagnose_seqs=c.train_eval_prompts, max_train_seconds=c.cond_seconds, seed=c.seed,
+                            device=str(device))
     m = train_conditioner(work / "target", work / "drafter", work / "data" / "train_prompts.jsonl", None, cfg,
                           progress=False)
     fin = m.get("final") or {}

@@ -114,7 +114,8 @@ class ReTraceConditioner(nn.Module):
                 f"{cfg.get('format_version')!r} (expected {FORMAT!r} version {FORMAT_VERSION})"
             )
         if int(cfg.get("hidden_size", -1)) != hidden_size:
-            raise CheckpointError(f"{d / CONFIG_NAME}: hidden_size {cfg.get('hidden_size')} != drafter hidden_size {hidden_size}")
+            raise CheckpointError(f"{d / CONFIG_NAME}: hidden_size {cfg.get('hidden_size')} != drafter hidden_size "
+                                  f"{hidden_size}")
         model = cls(hidden_size, int(cfg.get("num_features", len(FEATURES))), float(cfg.get("gate_bias_init", -2.0)),
                     float(cfg.get("rms_norm_eps", 1e-6)))
         if not (d / WEIGHTS_NAME).is_file():

@@ -76,11 +76,13 @@ def parse_rope_theta(cfg: dict, path: Path, default: float | None = None) -> flo
     if isinstance(scaling, dict) and scaling:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in ("default", None):
-            raise UnsupportedConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (only default RoPE)")
+            raise UnsupportedConfigError(f"{path}: rope_scaling type {rope_type!r} is not supported (only default "
+                                         "RoPE)")
     if isinstance(params, dict) and params:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ("default", None):
-            raise UnsupportedConfigError(f"{path}: rope_parameters.rope_type={rope_type!r} is not supported (only 'default')")
+            raise UnsupportedConfigError(f"{path}: rope_parameters.rope_type={rope_type!r} is not supported (only "
+                                         "'default')")
         if "rope_theta" in params:
             return _theta(params["rope_theta"], "rope_parameters.rope_theta", path)
     if "rope_theta" in cfg:
@@ -128,7 +130,8 @@ class LayerConfig:
 
 
 def _layer_config(cfg: dict, path: Path, default_theta: float | None = None) -> LayerConfig:
-    _require(cfg, ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps"], path)
+    _require(cfg, ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps"],
+             path)
     heads = _count(cfg, "num_attention_heads", path)
     hidden = _count(cfg, "hidden_size", path)
     eps = cfg["rms_norm_eps"]
@@ -139,7 +142,8 @@ def _layer_config(cfg: dict, path: Path, default_theta: float | None = None) -> 
         intermediate_size=_count(cfg, "intermediate_size", path),
         num_hidden_layers=_count(cfg, "num_hidden_layers", path),
         num_attention_heads=heads,
-        num_key_value_heads=_count(cfg, "num_key_value_heads", path, heads) if cfg.get("num_key_value_heads") else heads,
+        num_key_value_heads=(_count(cfg, "num_key_value_heads", path, heads) if cfg.get("num_key_value_heads")
+                             else heads),
         head_dim=_count(cfg, "head_dim", path) if cfg.get("head_dim") else hidden // heads,
         rms_norm_eps=float(eps),
         rope_theta=parse_rope_theta(cfg, path, default_theta),
@@ -275,7 +279,8 @@ class DrafterConfig:
         if self.vocab_size != target.vocab_size:
             problems.append(f"vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
         if not 0 <= self.mask_token_id < target.vocab_size:
-            problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocab (size {target.vocab_size})")
+            problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocab (size "
+                            f"{target.vocab_size})")
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
         if bad:
             problems.append(f"target_layer_ids {bad} do not exist in a {target.num_hidden_layers}-layer target")

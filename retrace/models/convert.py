@@ -66,7 +66,8 @@ def hf_assistant_to_zlab(hf_dir: str | Path, out_dir: str | Path, num_target_lay
     src, out = Path(hf_dir), Path(out_dir)
     hf = read_json(src / "config.json")
     if hf.get("model_type") != "muse_glimmer_assistant":
-        raise CheckpointError(f"{src / 'config.json'}: model_type {hf.get('model_type')!r} is not muse_glimmer_assistant")
+        raise CheckpointError(f"{src / 'config.json'}: model_type {hf.get('model_type')!r} is not "
+                              "muse_glimmer_assistant")
     # transformers' defaults for these belong to another model family: insist on explicit values.
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "block_size",

@@ -70,7 +70,8 @@ def _cuda_impl():
 
 
 def gated_suffix_fusion(*args, **kwargs) -> torch.Tensor:
-    """Dispatch point used by the models: the CUDA implementation (_cuda_impl) for CUDA tensors when no gradient is needed (the kernels have no backward) and autocast is off (the kernels take one dtype;
+    """Dispatch point used by the models: the CUDA implementation (_cuda_impl) for CUDA tensors when no gradient is
+    needed (the kernels have no backward) and autocast is off (the kernels take one dtype;
     autocast hands them mixed ones), else the reference."""
     x = args[0] if args else kwargs["x"]
     if (x.is_cuda and not torch.is_autocast_enabled("cuda")

@@ -20,7 +20,8 @@ Three plugins, namespace "retrace", version "1":
   before parsing.
 
 `@trtp.autotune` advertises fp32, fp16 and bf16 (activations/weights in one dtype, `features` and
-`valid` in any of them, the refined scratch always fp32) and one tactic per tile of `triton_kernel.TILES`; TensorRT times them and keeps
+`valid` in any of them, the refined scratch always fp32) and one tactic per tile of `triton_kernel.TILES`; TensorRT
+times them and keeps
 the fastest. The parser maps a node to a plugin by op_type plus the node attributes
 `plugin_namespace="retrace"`, `plugin_version="1"`, and takes the AOT implementation for `aot=1`.
 """

@@ -3,7 +3,8 @@
 Learned from the rounds' own timings: an exponential moving average per (rows, tokens) bucket. A bucket
 not measured yet is read off the measured ones of the same row count (piecewise-linear between them; past
 the last one, or when only one exists, with the prior slope), or, for a row count never seen, from the
-nearest measured one (a row count's first round uses its neighbour's). The prior slope is relative to a one-token verify: `rel_slope` extra per added token
+nearest measured one (a row count's first round uses its neighbour's). The prior slope is relative to a one-token
+verify: `rel_slope` extra per added token
 and row (on a 2-core CPU at the Qwen3-0.6B shape a verify of T tokens costs 1 + 0.06 (T - 1) of T = 1; on
 the zoo pair fixed per-call costs dominate and it is ~0). `probe()` measures it on a free slot.
 The timings come from the loop's stopwatch (runtime/stopwatch.py): host timers on the CPU, CUDA events on
@@ -81,7 +82,8 @@ class CostModel:
         return self.draft_rel * self.verify(rows, 1)
 
     def to_dict(self) -> dict:
-        return {"verify_s": {str(n): {str(t): s for t, s in sorted(tab.items())} for n, tab in sorted(self.verify_s.items())},
+        return {"verify_s": {str(n): {str(t): s for t, s in sorted(tab.items())}
+                             for n, tab in sorted(self.verify_s.items())},
                 "draft_s": {str(n): s for n, s in sorted(self.draft_s.items())}}
 
 

@@ -75,6 +75,7 @@ def nbits_head_model(graph_path: Path, weight: str):
     node = helper.make_node(NBITS, ["rows", *mm.input[1:]], ["logits"], domain="com.microsoft", **attrs)
     graph = helper.make_graph([node], "lm_head", [helper.make_tensor_value_info("rows", elem, ["rows", attrs["K"]])],
                               [helper.make_tensor_value_info("logits", elem, ["rows", attrs["N"]])], used)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8
     return model, int(attrs["N"]), elem

@@ -389,7 +389,8 @@ class OnnxRuntimeBackend:
         # operator needs only capacity >= past + T), the new entries written back below
         kv = (self.tcache.kv[:, rows] if rows is not None
               else torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots.to(self.device)))
-        feeds.update(seqlens_k=(past_len + (T - 1)).to(torch.int32), query_seqlens=torch.full((N,), T, dtype=torch.int32),
+        feeds.update(seqlens_k=(past_len + (T - 1)).to(torch.int32),
+                     query_seqlens=torch.full((N,), T, dtype=torch.int32),
                      total_sequence_length=torch.tensor(total, dtype=torch.int32))
         if BIAS in g.inputs:
             feeds[BIAS] = tree_bias(feeds["tree_mask"], past_len, total, g.dtype(BIAS))

@@ -125,6 +125,7 @@ class PromptLookup:
         self.accepted += hits
 
     def to_dict(self) -> dict:
-        return {"ngram": [self.sizes.start, self.sizes.stop - 1], "max_tokens": self.max_tokens, "max_rows": self.max_rows,
+        return {"ngram": [self.sizes.start, self.sizes.stop - 1], "max_tokens": self.max_tokens,
+                "max_rows": self.max_rows,
                 "rounds": self.rounds, "verified": self.verified, "accepted": self.accepted,
                 "accept_rate_estimate": round(self.accept_rate, 4)}

@@ -45,8 +45,8 @@ def _map(graph_path: Path, init) -> np.ndarray:
     ext = {e.key: e.value for e in init.external_data}
     dtype = _DTYPES.get(init.data_type)
     if "location" not in ext or dtype is None:
-        raise BundleError(f"{graph_path}: initializer {init.name!r} is not an external float or uint8 tensor; it cannot be "
-                          "shared (rebuild the bundle with retrace-export build)")
+        raise BundleError(f"{graph_path}: initializer {init.name!r} is not an external float or uint8 tensor; it "
+                          "cannot be shared (rebuild the bundle with retrace-export build)")
     data = graph_path.parent / ext["location"]
     shape = tuple(int(d) for d in init.dims)
     length = int(np.prod(shape)) * np.dtype(dtype).itemsize

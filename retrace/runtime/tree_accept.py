@@ -17,7 +17,8 @@ tokens before it: lossless. This needs the tree's shape not to depend on the sam
 (build_trees does that for sampling rows). The chain's rule is the special case of one sampled child.
 
 The round path: the accepted path continued, while the tree has it, by each node's first child (the
-best-scored candidate; in a topk tree the drafter's top-1 token, the chain a plain round would verify). Its verify logits and taps are
+best-scored candidate; in a topk tree the drafter's top-1 token, the chain a plain round would verify). Its verify
+logits and taps are
 what the rejected-suffix memory and the drafter's next context see (the same meaning as a chain round's).
 """
 

@@ -111,7 +111,8 @@ class Service:
         mode = self.check(body)
         if isinstance(prompt, str):
             self.check_text(prompt, "prompt")
-            ids = await off_loop(lambda: self.engine.encode(prompt), self.limits.work_timeout_s, "tokenizing the prompt")
+            ids = await off_loop(lambda: self.engine.encode(prompt), self.limits.work_timeout_s,
+                                 "tokenizing the prompt")
         else:
             ids = self.engine.encode(prompt)
         max_tokens = (body.limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens) or default_max

@@ -45,7 +45,8 @@ def serve(target, drafter, engine, backend, options, host, port, max_queue, chat
 
         from retrace.serve.app import Service, create_app
     except ImportError as e:
-        raise MissingDependencyError(f"retrace serve needs the 'serve' extra (pip install 'retrace[serve]'): {e}") from None
+        raise MissingDependencyError("retrace serve needs the 'serve' extra (pip install 'retrace[serve]'): "
+                                     f"{e}") from None
     from retrace.runtime.serving_engine import ServingEngine
     from retrace.serve.chat import ChatTemplate
 

@@ -20,9 +20,11 @@ from retrace.train.options import click_options, from_options
 def _run_options(fn):
     """The options of a training run that are not settings of its config: inputs, resume, output format."""
     opts = [
-        click.option("--target", "target_dir", required=True, type=click.Path(file_okay=False), help="Qwen3 target HF dir (frozen)"),
+        click.option("--target", "target_dir", required=True, type=click.Path(file_okay=False),
+                     help="Qwen3 target HF dir (frozen)"),
         click.option("--data", required=True, type=click.Path(), help="training prompts: JSONL ({'prompt': ...} or "
-                     "{'prompt_ids': [...]}; {'messages': [...]} with --chat), Parquet, or a `datasets` save_to_disk dir"),
+                     "{'prompt_ids': [...]}; {'messages': [...]} with --chat), Parquet, or a `datasets` "
+                     "save_to_disk dir"),
         click.option("--resume", is_flag=True, help="continue from OUT/train_state (optimizer, schedule, step)"),
         click.option("--quiet", is_flag=True, help="no progress bars"),
         click.option("--json", "as_json", is_flag=True, help="print the final metrics as JSON"),
@@ -39,7 +41,8 @@ def train() -> None:
 
 @train.command("dflash")
 @_run_options
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="drafter output dir (z-lab format)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="drafter output dir (z-lab format)")
 @click_options(DFlashConfig)
 @click.option("--global-batch", type=int, default=None,
               help="sequences per optimizer step over all processes: batch-size x grad-accum x world size")
@@ -106,7 +109,8 @@ def draft_vocab_cmd(target_dir, drafter_dir, data, responses, size, coverage, nu
 
 @train.command("conditioner")
 @_run_options
-@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False), help="trained DFlash drafter dir")
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False),
+              help="trained DFlash drafter dir")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="where to write (default: beside the drafter, in its dir)")
 @click_options(ConditionerConfig)
@@ -237,7 +241,8 @@ def zoo_inflate(zoo_dir, out_dir, shape, hidden_size, layers, heads, kv_heads, h
     ex, p = man["exactness"], man["params"]
     click.echo(f"{'cache hit' if man.get('cached') else 'built'}: {out_dir} ({target.hidden_size} wide, "
                f"{target.num_hidden_layers} layers, vocab {target.vocab_size})")
-    click.echo(f"  target non-embedding params {p['target_non_embedding'] / 1e6:.1f}M (total {p['target_total'] / 1e6:.1f}M), "
+    click.echo(f"  target non-embedding params {p['target_non_embedding'] / 1e6:.1f}M (total "
+               f"{p['target_total'] / 1e6:.1f}M), "
                f"drafter layers {p['drafter_layers'] / 1e6:.1f}M, conditioner {p['conditioner'] / 1e6:.1f}M")
     click.echo(f"  greedy ar/dflash/retrace identical: {ex['greedy']['all_identical']}; real-id logits rel diff "
                f"{ex['logits']['rel_diff']:.2e}; padded ids sampled: "

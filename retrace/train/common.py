@@ -225,7 +225,8 @@ def _read_meta(d: Path) -> dict:
     try:
         meta = json.loads((d / "state.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise RetraceError(f"{d / 'state.json'}: not a readable training checkpoint ({e}); start without --resume") from None
+        raise RetraceError(f"{d / 'state.json'}: not a readable training checkpoint ({e}); start without "
+                           "--resume") from None
     if not isinstance(meta, dict) or meta.get("version") != STATE_VERSION:
         v = meta.get("version") if isinstance(meta, dict) else None
         raise RetraceError(f"{d / 'state.json'}: training checkpoint version {v!r} (expected {STATE_VERSION})")

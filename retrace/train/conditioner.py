@@ -158,7 +158,8 @@ def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: i
         for s in range(0, len(use), batch_size):
             idx = use[s : s + batch_size]
             picks = pick_rounds(ex, idx, 10**6, None)
-            taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device, drafter.config.mask_token_id)
+            taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device,
+                                                                   drafter.config.mask_token_id)
             with cm.autocast(device, bf16):
                 _, lr_ = bl.block_forward(drafter, taps, anchors, block_ids, suffix)
                 _, ld = bl.block_forward(drafter, taps, anchors, block_ids, None)
@@ -198,7 +199,8 @@ def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: i
             x = drafter.target.embed(block_ids).float()
             corr = drafter.project(suffix.corr_taps.to(drafter.fc.weight.dtype)).float()
             vv = suffix.valid * bw.unsqueeze(-1)
-            acc["gate"] += float(drafter.conditioner.mean_gate(x, suffix.memory.float(), corr, suffix.features, vv)) * float(vv.sum())
+            acc["gate"] += (float(drafter.conditioner.mean_gate(x, suffix.memory.float(), corr, suffix.features, vv))
+                            * float(vv.sum()))
             acc["gate_w"] += float(vv.sum())
     drafter.train(was)
     n, f = max(acc["valid"], 1.0), max(acc["full"], 1.0)
@@ -221,7 +223,8 @@ def diagnose(drafter, ex: Examples, B: int, weights, device, bf16, batch_size: i
 
 
 # -- the trainer -----------------------------------------------------------------------------------------------
-def train_conditioner(target_dir: str | Path, drafter_dir: str | Path, data: str | Path, out_dir: str | Path | None = None,
+def train_conditioner(target_dir: str | Path, drafter_dir: str | Path, data: str | Path,
+                      out_dir: str | Path | None = None,
                       cfg: ConditionerConfig | None = None, resume: bool = False, progress: bool = True,
                       force: bool = False) -> dict:
     """Train into out_dir (default: the drafter's dir; see retrace.train.outputs: force / resume)."""
@@ -266,7 +269,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
                            f"{d.world} (each process rolls out an equal share)")
     if out != drafter_dir and d.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        for f in ("config.json", *[p.name for p in drafter_dir.glob("*.safetensors") if p.name != "retrace.safetensors"],
+        for f in ("config.json",
+                  *[p.name for p in drafter_dir.glob("*.safetensors") if p.name != "retrace.safetensors"],
                   *[n for n in (DRAFT_VOCAB_META,) if (drafter_dir / n).is_file()]):  # a draft vocabulary: both files
             shutil.copy2(drafter_dir / f, out / f)
     d.barrier()
@@ -329,7 +333,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         base_tau = d.main_first(lambda: runtime_tau(target, drafter, eval_p, cfg.eval_new_tokens, "dflash", device, B,
                                                     cfg.rollout_batch) if eval_p else {})
     eval_s = time.perf_counter() - t0
-    cm.log(progress, TAG, f"{len(train_p)} train / {len(val_p)} val prompts; B={B}; dflash runtime tau on val {base_tau}")
+    cm.log(progress, TAG,
+           f"{len(train_p)} train / {len(val_p)} val prompts; B={B}; dflash runtime tau on val {base_tau}")
     roll_s = train_s = 0.0
     bar = cm.progress_bar(total_steps, "conditioner", progress, initial=step)
     last = {}
@@ -362,14 +367,16 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
             cm.log(progress, TAG, "warning: the rollouts produced no rounds with a rejected suffix (the drafter "
                                   "accepts whole blocks, or the responses are too short): nothing to train on")
             phase += 1
-            history.append({"phase": phase, "step": step, "rollout_tau": round(sum(roll_tau) / max(1, len(roll_tau)), 4),
+            history.append({"phase": phase, "step": step,
+                            "rollout_tau": round(sum(roll_tau) / max(1, len(roll_tau)), 4),
                             "rollout_rounds": 0, "skipped": True})
             save(phase)
             continue
         diag = {}
         if cfg.diagnose_seqs:
             t0 = time.perf_counter()
-            sub = Examples([ex.rolls[i] for i in use[: cfg.diagnose_seqs]], [ex.taps[i] for i in use[: cfg.diagnose_seqs]])
+            sub = Examples([ex.rolls[i] for i in use[: cfg.diagnose_seqs]],
+                           [ex.taps[i] for i in use[: cfg.diagnose_seqs]])
             with fs.full_params(model):
                 diag = d.broadcast(diagnose(drafter, sub, B, weights, device, bf16, cfg.batch_size) if d.is_main
                                    else None)
@@ -399,7 +406,8 @@ def _train(target_dir: Path, drafter_dir: Path, data: Path, out: Path, cfg: Cond
         last = {"retrace_tau": rt.get("tau_mean"), "retrace_tau_pooled": rt.get("tau_pooled")}
         rec = {"phase": phase, "step": step, "rollout_tau": round(sum(roll_tau) / max(1, len(roll_tau)), 4),
                "rollout_rounds": sum(d.all_gather(sum(len(ex.rolls[i].rounds) for i in use))),
-               "diagnose_before": diag, "train": bl.summarize(tot), "train_vs_dflash": _paired(btot), "mean_gate": round(gs / max(gw, 1e-8), 5), "val_runtime": rt}
+               "diagnose_before": diag, "train": bl.summarize(tot), "train_vs_dflash": _paired(btot),
+               "mean_gate": round(gs / max(gw, 1e-8), 5), "val_runtime": rt}
         history.append(rec)
         cm.log(progress, TAG, f"phase {phase}/{cfg.phases}: rollout tau {rec['rollout_tau']}, train {rec['train']}, "
                               f"gate {rec['mean_gate']}, val tau retrace {rt.get('tau_mean')} vs dflash "
@@ -466,7 +474,8 @@ def _paired(btot: dict) -> dict:
 
 def _resume_key(cfg: ConditionerConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("phases", "stop_after", "max_train_seconds", "diagnose_seqs", "eval_prompts", "eval_new_tokens", "device", "threads", "rollout_batch", "fsdp"):
+    for k in ("phases", "stop_after", "max_train_seconds", "diagnose_seqs", "eval_prompts", "eval_new_tokens", "device",
+              "threads", "rollout_batch", "fsdp"):
         d.pop(k, None)
     if not d.get("chat"):
         d.pop("chat", None)  # checkpoints from before --chat existed resume

@@ -124,7 +124,8 @@ def _batch_forward(drafter, target, data: _Data, idx, anchors, bw, cfg, device, 
         with torch.no_grad():
             # slot k of the block at anchor a predicts the token at a+k: the target's logits at a+k-1
             if cfg.soft_labels:
-                at = (anchors.unsqueeze(-1) + torch.arange(cfg.block_size - 1, device=device)).clamp_max(ids.shape[1] - 1)
+                at = (anchors.unsqueeze(-1)
+                      + torch.arange(cfg.block_size - 1, device=device)).clamp_max(ids.shape[1] - 1)
                 taps, soft = target_taps(target, ids, at.flatten(1))
                 soft = soft.view(*at.shape, -1).float()
             else:
@@ -187,7 +188,8 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
     taps = list(dconf.target_layer_ids)
     if cfg.target_layer_ids is None and not all(0 <= i < tconf.num_hidden_layers for i in taps):
         raise RetraceError(f"--layers {cfg.num_layers}: z-lab's default taps for a {cfg.num_layers}-layer drafter "
-                           f"({taps}: evenly spaced over layers 1..n-3) do not fit this {tconf.num_hidden_layers}-layer "
+                           f"({taps}: evenly spaced over layers 1..n-3) do not fit this "
+                           f"{tconf.num_hidden_layers}-layer "
                            "target; pass --target-layer-ids (one target layer per tap) or use fewer --layers")
     target = load_target(target_dir, dconf.target_layer_ids, device, bf16)
     mask_info = mask_row_check(target, mask_id)
@@ -299,7 +301,8 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
             info = {"kind": "dflash", "config": cfg.to_dict(), "config_sha": cm.key_sha(_resume_key(cfg)),
                     "epoch": state[0][0], "cursor": state[0][1], "streams": [list(state[s][:2]) for s in range(S)],
                     "world_size": d.world, "fsdp": fs.is_sharded(model), "history": history}
-            cm.save_train_state(out, full, full_opt, step_now, info, rng={_anchor_rng(s): state[s][2] for s in range(S)})
+            cm.save_train_state(out, full, full_opt, step_now, info,
+                                rng={_anchor_rng(s): state[s][2] for s in range(S)})
             drafter.save_pretrained(out, save_conditioner=False, tensors=full)
             drop_stale_conditioner(out)
         d.barrier()
@@ -358,7 +361,8 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
         "val": last_eval, "val_runtime_tau": tau, "history": history, "mask_row": mask_info,
         "drafter_params": sum(p.numel() for p in params.values()), "target_layer_ids": list(dconf.target_layer_ids),
         "block_size": cfg.block_size, "num_layers": cfg.num_layers, "init": cfg.init, "gamma": gamma,
-        "timed_out": timed_out, "world_size": d.world, "fsdp": fs.is_sharded(model), "global_batch": cfg.batch_size * A * d.world,
+        "timed_out": timed_out, "world_size": d.world, "fsdp": fs.is_sharded(model),
+        "global_batch": cfg.batch_size * A * d.world,
         "train_sequences": len(tr_idx), "val_sequences": len(va_idx),
         "seconds": {"responses": round(gen_s, 2), "taps": round(taps_s, 2), "train": round(run.seconds, 2),
                     "steps_per_s": round(run.steps_run / max(run.seconds, 1e-9), 3), "eval_tau": round(tau_s, 2),
@@ -377,7 +381,8 @@ def _anchor_rng(stream: int) -> str:
 
 def _resume_key(cfg: DFlashConfig) -> dict:
     d = cfg.to_dict()
-    for k in ("steps", "stop_after", "max_train_seconds", "gen_workers", "eval_every", "save_every", "eval_tau_prompts", "eval_tau_new_tokens", "device", "threads",
+    for k in ("steps", "stop_after", "max_train_seconds", "gen_workers", "eval_every", "save_every", "eval_tau_prompts",
+              "eval_tau_new_tokens", "device", "threads",
               "cache_taps_mb", "gen_batch", "grad_accum", "fsdp"):  # grad_accum: the world size may change too
         d.pop(k, None)
     if not d.get("chat"):

@@ -127,8 +127,8 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_files: lis
         if limit:
             rows = rows[:limit]
         prompts = cm.encode_prompts(rows, codec)
-        rep = tau_by_mode(target, drafter, prompts, modes, max_new_tokens, temperature, block_size, max_batch, seed, dev,
-                          verify_policy, tree_budget, tree_sources)
+        rep = tau_by_mode(target, drafter, prompts, modes, max_new_tokens, temperature, block_size, max_batch, seed,
+                          dev, verify_policy, tree_budget, tree_sources)
     domains = [r.get("domain") for r in rows]
     if any(domains):
         rep["by_domain"] = {}

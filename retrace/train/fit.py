@@ -82,7 +82,8 @@ def fit(step_fn: Callable[[FitState, Callable[[torch.Tensor], None]], float], op
 
     def backward(loss: torch.Tensor) -> None:
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"{name + ': ' if name else ''}non-finite loss {float(loss.detach())} at step {st.step}")
+            raise FloatingPointError(f"{name + ': ' if name else ''}non-finite loss {float(loss.detach())} at step "
+                                     f"{st.step}")
         loss.backward()
 
     while st.step < stop:

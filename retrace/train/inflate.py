@@ -220,7 +220,8 @@ def final_norm(w: torch.Tensor, p: Plan) -> torch.Tensor:
     return out
 
 
-def qk_proj(w: torch.Tensor, src: tuple[int | None, ...], p: Plan, g: torch.Generator, zero_padded: bool) -> torch.Tensor:
+def qk_proj(w: torch.Tensor, src: tuple[int | None, ...], p: Plan, g: torch.Generator,
+            zero_padded: bool) -> torch.Tensor:
     """q/k/v projection [heads*hd, d] -> [heads'*hd', D]; original heads at their new slots."""
     hd, hd2 = p.small.head_dim, p.big.head_dim
     out = _free((len(src) * hd2, p.D), w, g)

@@ -168,7 +168,8 @@ def _write_pair(zoo: Path, tmp: Path, shape, seed: int, prompts: list[list[int]]
     new_taps = [plan.layer_pos[i] for i in taps]
     dflash["target_layer_ids"] = new_taps
     new_d = dict(dcfg, **{k: getattr(shape, v) for k, v in SHAPE_KEYS.items()
-                          if k not in ("num_hidden_layers", "intermediate_size")}, intermediate_size=inter, rms_norm_eps=plan.new_eps,
+                          if k not in ("num_hidden_layers", "intermediate_size")}, intermediate_size=inter,
+                 rms_norm_eps=plan.new_eps,
                  dflash_config=dflash, num_target_layers=shape.num_hidden_layers)
     new_d.pop("target_layer_ids", None)
     if "layer_types" in new_d:

@@ -4,7 +4,8 @@ Layout of DIR::
 
     DIR/target/       HF Qwen3 dir with tokenizer (mask token <|mask|> in the vocab)   [target stage]
     DIR/prompts/      code.jsonl, docs.jsonl: held-out evaluation prompts                [target stage]
-    DIR/data/         train_prompts.jsonl (drafter/conditioner training; validation is a split of it), train_chat.jsonl (the same as one-turn conversations: what the zoo trains on, through --chat)
+    DIR/data/         train_prompts.jsonl (drafter/conditioner training; validation is a split of it), train_chat.jsonl
+                      (the same as one-turn conversations: what the zoo trains on, through --chat)
     DIR/drafter/      DFlash files (config.json, model.safetensors) + retrace_config.json + retrace.safetensors
                       (+ dflash_train.json, conditioner_train.json: training logs)
     DIR/manifest.json seed, versions, settings, metrics (target ppl, drafter loss, tau dflash/retrace at
@@ -101,7 +102,8 @@ def read_manifest(out: str | Path) -> dict | None:
         return None
 
 
-def cached_manifest(out: str | Path, size: str = "small", seed: int = 0, numerics_mode: str | None = None) -> dict | None:
+def cached_manifest(out: str | Path, size: str = "small", seed: int = 0,
+                    numerics_mode: str | None = None) -> dict | None:
     out = Path(out)
     man = read_manifest(out)
     if man is None or man.get("key") != zoo_key(size, seed, PRESETS[size], numerics_mode):

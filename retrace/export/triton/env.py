@@ -119,7 +119,8 @@ def _python_facts(python: Path) -> dict[str, str]:
         "import json, sys, sysconfig;"
         "print(json.dumps({'version': '%d.%d' % sys.version_info[:2], 'full': sys.version.split()[0],"
         "'libdir': sysconfig.get_config_var('LIBDIR') or '', 'soname': sysconfig.get_config_var('INSTSONAME') or '',"
-        "'shared': str(sysconfig.get_config_var('Py_ENABLE_SHARED')), 'base': getattr(sys, '_base_executable', sys.executable)}))"
+        "'shared': str(sysconfig.get_config_var('Py_ENABLE_SHARED')), 'base': getattr(sys, '_base_executable', "
+        "sys.executable)}))"
     )
     try:
         out = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True, timeout=60)
@@ -195,7 +196,8 @@ def ensure_triton_env(
     """Return a ready :class:`TritonEnv`, creating the server install and model env on first use.
 
     ``python`` is the interpreter the model env is built from (default: ``$RETRACE_TRITON_PYTHON`` or the
-    base interpreter of the running one); it must be a shared-libpython build whose version has a python-backend stub (3.8-3.13).
+    base interpreter of the running one); it must be a shared-libpython build whose version has a python-backend stub
+    (3.8-3.13).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()

@@ -115,7 +115,8 @@ def write_repository(
     ``ensure_triton_env().model_env``; None leaves the model in the server's own Python (which then
     needs numpy<2 and the runtime's packages). ``runtime_factory``/``runtime_options`` replace the real
     runtime (tests only); ``runtime_options`` alone are extra keyword arguments for
-    ``Runtime.from_bundle`` (e.g. ``{"threads": 4, "max_seq_len": 2048}`` for onnxruntime). ``vendor_package=False`` imports retrace from the environment or
+    ``Runtime.from_bundle`` (e.g. ``{"threads": 4, "max_seq_len": 2048}`` for onnxruntime). ``vendor_package=False``
+    imports retrace from the environment or
     ``pythonpath`` instead of a copy inside the repository. ``verify_policy``: drafts verified per round
     (``adaptive`` | ``fixed``, parameter RETRACE_VERIFY_POLICY; see retrace/runtime/verify_policy.py).
     """

@@ -40,7 +40,8 @@ class TritonMetrics:
         counts = request_counts(stats)
         with self._lock:
             for key, n in counts.items():
-                labels = {"mode": mode, "finish_reason": finish_reason or "unknown"} if key == "requests" else {"mode": mode}
+                labels = ({"mode": mode, "finish_reason": finish_reason or "unknown"} if key == "requests"
+                          else {"mode": mode})
                 self._metric(key, labels).increment(n)
             for key in HISTOGRAMS:
                 hist = stats.get(key) or []

@@ -285,7 +285,8 @@ def parse_request(
         if len(modes) != 1:
             raise RequestError(f"input 'mode' must hold exactly one string, got {len(modes)}")
         if modes[0] not in limits.modes:
-            raise RequestError(f"unknown mode {modes[0]!r} in input 'mode'; this model serves: {', '.join(limits.modes)}")
+            raise RequestError(f"unknown mode {modes[0]!r} in input 'mode'; this model serves: "
+                               f"{', '.join(limits.modes)}")
         spec.mode = modes[0]
     if (a := get("stream")) is not None:
         spec.stream = _bool("stream", a)
