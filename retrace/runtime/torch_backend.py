@@ -94,26 +94,32 @@ class TorchBackend:
         self.max_seq_len = max_seq_len
         self.dtype = target.lm_head.weight.dtype
         self.compiled = compile
-        tc = target.config.layers
         with self.device:
+            self.target_step, self.draft_step, self.block_scratch = self._steps(target, drafter)
+            tc = target.config.layers
             self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len, tc.head_dim,
                                   self.dtype)
-            self.target_step = partial(target_step, target, RopeTable(max_seq_len, tc.head_dim, tc.rope_theta,
-                                                                      self.dtype))
-            self.dcache = self.draft_step = None
-            self.block_scratch = 0  # drafter cache columns before context position 0: the block's
+            self.dcache = None
             if drafter is not None:
                 dc = drafter.config.layers
-                self.block_scratch = drafter.config.block_size
                 self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads,
                                       self.block_scratch + max_seq_len, dc.head_dim, drafter.fc.weight.dtype)
-                # RoPE in the dtype of the block's states (the target's embedding), as DFlashDrafter.forward
-                self.draft_step = partial(draft_step, drafter, RopeTable(max_seq_len, dc.head_dim, dc.rope_theta,
-                                                                         self.dtype))
         if compile:
             compiler = "inductor" if compile is True else compile
             self.target_step = CompiledStep(self.target_step, "target", compiler)
             self.draft_step = CompiledStep(self.draft_step, "drafter", compiler) if drafter is not None else None
+
+    def _steps(self, target: Qwen3Target, drafter: DFlashDrafter | None):
+        """-> (the target's step, the drafter's step, drafter cache columns before context position 0: the
+        block's scratch columns, see models/cached_step.py)."""
+        tc = target.config.layers
+        t_step = partial(target_step, target, RopeTable(self.max_seq_len, tc.head_dim, tc.rope_theta, self.dtype))
+        if drafter is None:
+            return t_step, None, 0
+        dc = drafter.config.layers
+        # RoPE in the dtype of the block's states (the target's embedding), as DFlashDrafter.forward
+        rope = RopeTable(self.max_seq_len, dc.head_dim, dc.rope_theta, self.dtype)
+        return t_step, partial(draft_step, drafter, rope), drafter.config.block_size
 
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None,
@@ -135,6 +141,14 @@ class TorchBackend:
 
     def _on_device(self, *tensors: torch.Tensor | None):
         return [t if t is None else t.to(self.device, non_blocking=True) for t in tensors]
+
+    def _suffix_on_device(self, suffix: SuffixInputs | None, dtype: torch.dtype) -> SuffixInputs | None:
+        """The suffix inputs on the device, in the drafter's dtype (the loop keeps the memory in fp32)."""
+        if suffix is None:
+            return None
+        memory, features, valid, corr = self._on_device(suffix.memory, suffix.features, suffix.valid,
+                                                        suffix.corr_index)
+        return SuffixInputs(memory.to(dtype), features.to(dtype), valid.to(dtype), corr)
 
     @torch.inference_mode()
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
@@ -162,10 +176,7 @@ class TorchBackend:
         slots, ctx_taps, ctx_positions, block_ids, block_positions = self._on_device(
             slots, ctx_taps, ctx_positions, block_ids, block_positions)
         dt = self.drafter_model.fc.weight.dtype
-        if suffix is not None:  # the loop keeps the memory in fp32
-            memory, features, valid, corr = self._on_device(suffix.memory, suffix.features, suffix.valid,
-                                                            suffix.corr_index)
-            suffix = SuffixInputs(memory.to(dt), features.to(dt), valid.to(dt), corr)
+        suffix = self._suffix_on_device(suffix, dt)
         with self._autocast():
             hidden, logits = self.draft_step(ctx_taps.to(dt), ctx_positions, kw, vw, block_ids, block_positions,
                                              self.block_scratch, suffix)
