@@ -112,10 +112,7 @@ def draft_step(drafter, rope: RopeTable, ctx_taps: torch.Tensor, ctx_positions: 
     C = ctx_taps.shape[1]
     W = k_window[0].shape[2]
     ctx = drafter.project(ctx_taps)
-    x = drafter.target.embed(block_ids)
-    if suffix is not None and drafter.conditioner is not None:
-        correction = torch.gather(ctx, 1, suffix.corr_index.unsqueeze(-1).expand(-1, -1, ctx.shape[-1]))
-        x = drafter.conditioner(x, suffix.memory, correction, suffix.features, suffix.valid)
+    x = drafter.block_states(ctx, block_ids, suffix)
     cos_c, sin_c = rope.at(ctx_positions)
     cos_b, sin_b = rope.at(block_positions)
     # visible context: the cached past (< past) and this call's context (consecutive from past) before the anchor
