@@ -1,8 +1,10 @@
 """The torch backend: the models of `retrace.models` over preallocated per-slot K/V caches, on any device.
 
+The caches are static (models/cached_step.py, docs/static-cache.md): a call writes the new K/V into them
+in place and attends over a window of `window_width` columns, a power-of-two bucket of the longest past.
 Tensors in and out live on `device` (the models' device); index inputs the loop built with
-`device.index_tensor` carry their host values, so the longest past and whether the slots are one range are
-read on the host, never from the device. bfloat16 / float16 / float32 weights: `from_dirs(dtype=...)`.
+`device.index_tensor` carry their host values, so the window and whether the slots are one range are read
+on the host, never from the device. bfloat16 / float16 / float32 weights: `from_dirs(dtype=...)`.
 """
 
 from __future__ import annotations
