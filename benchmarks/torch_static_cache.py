@@ -2,7 +2,7 @@
 
     python benchmarks/torch_static_cache.py [--shape qwen3-0.6b|small] [--threads 2] [--prompts 4]
                                             [--prompt-len 64] [--max-new-tokens 48] [--runs 2] [--compile]
-                                            [--json out.json]
+                                            [--per-call] [--json out.json]
 
 Random weights of the shape (the speed of a dense fp32 model does not depend on its values), `ar` mode at
 batch 1 (each prompt in turn) through the Runtime, for
@@ -11,7 +11,8 @@ batch 1 (each prompt in turn) through the Runtime, for
   static   runtime/torch_backend.py: K/V written in place, attention over a bucketed cache window,
   static+compile (--compile) the same under torch.compile (inductor, fullgraph),
 interleaved run by run on the same weights (the machine is shared: compare within a run); prints tok/s and
-static / concat per run, and checks that every variant gives the same tokens.
+static / concat per run, and checks that every variant gives the same tokens. --per-call: instead, ms per
+target call (T=1 and T=16 at past 128 and 1024, batch 1; the minimum over --runs, interleaved).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from retrace.models.config import Qwen3Config
 from retrace.models.target import Qwen3Target
 from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.device import index_tensor
 from retrace.runtime.torch_backend import TorchBackend
 from retrace.runtime.torch_concat import ConcatTorchBackend
 
@@ -59,6 +61,25 @@ def tokens_per_s(rt: Runtime, prompts: list[list[int]], max_new: int) -> tuple[f
     return n / (time.perf_counter() - t0), out
 
 
+def per_call(backends: dict, runs: int, vocab: int) -> dict:
+    """ms per target call (min over runs), batch 1, slot 0, the past already in the cache (random K/V)."""
+    cpu = torch.device("cpu")
+    slot = index_tensor([0], cpu)
+    out: dict = {}
+    for _ in range(runs):
+        for P in (128, 1024):
+            for T in (1, 16):
+                ids = torch.randint(0, vocab, (1, T))
+                pos = index_tensor([list(range(P, P + T))], cpu)
+                for name, be in backends.items():
+                    t0 = time.perf_counter()
+                    be.target(slot, ids, pos, torch.arange(T).unsqueeze(0))
+                    ms = 1e3 * (time.perf_counter() - t0)
+                    key = f"T={T} P={P}"
+                    out.setdefault(key, {})[name] = min(ms, out.get(key, {}).get(name, float("inf")))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -69,6 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also the static path under torch.compile (inductor)")
+    ap.add_argument("--per-call", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -81,6 +103,14 @@ def main(argv=None) -> int:
                 "static": lambda: TorchBackend(target, None, **kw)}
     if a.compile:
         variants["static+compile"] = lambda: TorchBackend(target, None, compile=True, **kw)
+    if a.per_call:
+        res = per_call({name: make() for name, make in variants.items()}, a.runs, vocab)
+        for key, row in res.items():
+            print(f"{key}: " + "  ".join(f"{n} {v:.1f} ms" for n, v in row.items()) +
+                  f"  (static/concat time {row['static'] / row['concat']:.2f}x)")
+        if a.json:
+            Path(a.json).write_text(json.dumps({"shape": a.shape, "threads": a.threads, "per_call_ms": res}, indent=2))
+        return 0
     runtimes = {name: Runtime(make()) for name, make in variants.items()}
     report: dict = {"shape": a.shape, "threads": a.threads, "prompts": a.prompts, "prompt_len": a.prompt_len,
                     "max_new_tokens": a.max_new_tokens, "runs": []}
