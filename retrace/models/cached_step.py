@@ -59,7 +59,8 @@ def _layer(layer: DecoderLayer, x, cos, sin, k_window, v_window, index, mask, ct
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def target_mask(positions: torch.Tensor, width: int, tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def target_mask(positions: torch.Tensor, width: int,
+                tree_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (mask [N, 1, T, W] bool, the columns [N, T] the new tokens' K/V are written at)."""
     N, T = positions.shape
     cols = torch.arange(width, device=positions.device)
