@@ -108,6 +108,15 @@ class DFlashDrafter(nn.Module):
         """Target taps [N, C, k*d] -> context features [N, C, d] (fc + hidden_norm)."""
         return self.hidden_norm(self.fc(taps))
 
+    def block_states(self, ctx: torch.Tensor, block_ids: torch.Tensor, suffix: SuffixInputs | None) -> torch.Tensor:
+        """The block's input states [N, B, d]: the target's embedding of block_ids, corrected by the
+        conditioner from the rejected suffix (ctx: this call's projected context, the corrections' source)."""
+        x = self.target.embed(block_ids)
+        if suffix is not None and self.conditioner is not None:
+            correction = torch.gather(ctx, 1, suffix.corr_index.unsqueeze(-1).expand(-1, -1, ctx.shape[-1]))
+            x = self.conditioner(x, suffix.memory, correction, suffix.features, suffix.valid)
+        return x
+
     def forward(
         self,
         ctx_taps: torch.Tensor,
@@ -126,10 +135,7 @@ class DFlashDrafter(nn.Module):
         C = ctx_taps.shape[1]
         P = past_k[0].shape[2]
         ctx = self.project(ctx_taps)
-        x = self.target.embed(block_ids)
-        if suffix is not None and self.conditioner is not None:
-            correction = torch.gather(ctx, 1, suffix.corr_index.unsqueeze(-1).expand(-1, -1, ctx.shape[-1]))
-            x = self.conditioner(x, suffix.memory, correction, suffix.features, suffix.valid)
+        x = self.block_states(ctx, block_ids, suffix)
         cos_c, sin_c = rope_cos_sin(ctx_positions, lc.head_dim, lc.rope_theta, x.dtype)
         cos_b, sin_b = rope_cos_sin(block_positions, lc.head_dim, lc.rope_theta, x.dtype)
         # Block queries see: cached context < past_len, new context before the anchor, the whole block.

@@ -1,14 +1,16 @@
 """The torch backend's step functions under torch.compile (`retrace generate --compile`).
 
-The target's step and the drafter's block step are compiled with `fullgraph=True` (a graph break is an
-error, never a silent fallback to Python) and dynamic shapes (the past length, the verify width and the
-batch change every call: one graph serves them). If the compiler itself fails (no C++ toolchain, an
+The target's step and the drafter's block step (models/cached_step.py) are compiled with `fullgraph=True`
+(a graph break is an error, never a silent fallback to Python) and dynamic shapes (the batch, the verify
+width, the drafter's context length and the cache window, a power-of-two bucket, vary: one graph serves
+them). The steps write the caches in place (`scatter_` into views of them), which inductor keeps in place. If the compiler itself fails (no C++ toolchain, an
 unsupported op on this build), the step falls back to eager once, with a warning, and stays eager.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ COMPILERS = ("inductor", "aot_eager", "eager")  # inductor: generated kernels; t
 
 
 class CompiledStep:
-    def __init__(self, module: nn.Module, what: str, compiler: str = "inductor"):
+    def __init__(self, module: nn.Module | Callable, what: str, compiler: str = "inductor"):
         if compiler not in COMPILERS:
             raise ValueError(f"compiler {compiler!r}: choose from {', '.join(COMPILERS)}")
         self.module, self.what = module, what

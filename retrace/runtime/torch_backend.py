@@ -1,17 +1,21 @@
 """The torch backend: the models of `retrace.models` over preallocated per-slot K/V caches, on any device.
 
+The caches are static (models/cached_step.py, docs/static-cache.md): a call writes the new K/V into them
+in place and attends over a window of `window_width` columns, a power-of-two bucket of the longest past.
 Tensors in and out live on `device` (the models' device); index inputs the loop built with
-`device.index_tensor` carry their host values, so the longest past and whether the slots are one range are
-read on the host, never from the device. bfloat16 / float16 / float32 weights: `from_dirs(dtype=...)`.
+`device.index_tensor` carry their host values, so the window and whether the slots are one range are read
+on the host, never from the device. bfloat16 / float16 / float32 weights: `from_dirs(dtype=...)`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from retrace.models.cached_step import RopeTable, draft_step, target_step
 from retrace.models.drafter import DFlashDrafter, SuffixInputs, load_pair
 from retrace.models.target import Qwen3Target
 from retrace.runtime.backend import contiguous_range
@@ -33,6 +37,21 @@ class KVCache:
             return [k[rows, :, :length] for k in self.k], [v[rows, :, :length] for v in self.v]
         return [k[slots, :, :length] for k in self.k], [v[slots, :, :length] for v in self.v]
 
+    def window(self, slots: torch.Tensor, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+        """Per layer, columns [0, width) of the slots' rows, to be written in place -> (k, v, is_view). For a
+        contiguous slot range these are views of the cache; otherwise gathered copies (`write_back` them)."""
+        rows = contiguous_range(slots)
+        if rows is not None:
+            return [k[rows, :, :width] for k in self.k], [v[rows, :, :width] for v in self.v], True
+        return [k[slots, :, :width] for k in self.k], [v[slots, :, :width] for v in self.v], False
+
+    def write_back(self, slots: torch.Tensor, index: torch.Tensor, k_window: list[torch.Tensor],
+                   v_window: list[torch.Tensor]) -> None:
+        """Copy columns index [N, C] of gathered windows (see `window`) back to the slots' rows."""
+        rows, local = slots[:, None], torch.arange(len(slots), device=slots.device)[:, None]
+        for cache, win in zip(self.k + self.v, k_window + v_window, strict=True):
+            cache[rows, :, index] = win[local, :, index]
+
     def write(self, slots: torch.Tensor, positions: torch.Tensor, new_k: list[torch.Tensor],
               new_v: list[torch.Tensor]) -> None:
         rows = slots[:, None]
@@ -46,9 +65,13 @@ class KVCache:
             cache[rows, :, dst] = cache[rows, :, src]
 
 
-def _longest_past(positions: torch.Tensor) -> int:
-    """max over rows of positions[:, 0] (from the host copy when the loop built the tensor)."""
-    return max(row[0] for row in host_values(positions))
+MIN_WIDTH = 64  # the narrowest attention window (columns of the cache) a step attends over
+
+
+def window_width(need: int, length: int) -> int:
+    """The cache columns a call attends over: the next power of two >= need (at least MIN_WIDTH), at most
+    `length`. A handful of widths, whatever the past: the step's shapes do not follow every token."""
+    return min(length, max(MIN_WIDTH, 1 << (need - 1).bit_length()))
 
 
 class TorchBackend:
@@ -73,20 +96,32 @@ class TorchBackend:
         self.max_seq_len = max_seq_len
         self.dtype = target.lm_head.weight.dtype
         self.compiled = compile
-        self.target_step, self.draft_step = target, drafter
-        if compile:
-            compiler = "inductor" if compile is True else compile
-            self.target_step = CompiledStep(target, "target", compiler)
-            self.draft_step = CompiledStep(drafter, "drafter", compiler) if drafter is not None else None
-        tc = target.config.layers
         with self.device:
+            self.target_step, self.draft_step, self.block_scratch = self._steps(target, drafter)
+            tc = target.config.layers
             self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len, tc.head_dim,
                                   self.dtype)
             self.dcache = None
             if drafter is not None:
                 dc = drafter.config.layers
-                self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads, max_seq_len,
-                                      dc.head_dim, drafter.fc.weight.dtype)
+                self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads,
+                                      self.block_scratch + max_seq_len, dc.head_dim, drafter.fc.weight.dtype)
+        if compile:
+            compiler = "inductor" if compile is True else compile
+            self.target_step = CompiledStep(self.target_step, "target", compiler)
+            self.draft_step = CompiledStep(self.draft_step, "drafter", compiler) if drafter is not None else None
+
+    def _steps(self, target: Qwen3Target, drafter: DFlashDrafter | None):
+        """-> (the target's step, the drafter's step, drafter cache columns before context position 0: the
+        block's scratch columns, see models/cached_step.py)."""
+        tc = target.config.layers
+        t_step = partial(target_step, target, RopeTable(self.max_seq_len, tc.head_dim, tc.rope_theta, self.dtype))
+        if drafter is None:
+            return t_step, None, 0
+        dc = drafter.config.layers
+        # RoPE in the dtype of the block's states (the target's embedding), as DFlashDrafter.forward
+        rope = RopeTable(self.max_seq_len, dc.head_dim, dc.rope_theta, self.dtype)
+        return t_step, partial(draft_step, drafter, rope), drafter.config.block_size
 
     @classmethod
     def from_dirs(cls, target_dir: str | Path, drafter_dir: str | Path | None,
@@ -109,20 +144,27 @@ class TorchBackend:
     def _on_device(self, *tensors: torch.Tensor | None):
         return [t if t is None else t.to(self.device, non_blocking=True) for t in tensors]
 
+    def _suffix_on_device(self, suffix: SuffixInputs | None, dtype: torch.dtype) -> SuffixInputs | None:
+        """The suffix inputs on the device, in the drafter's dtype (the loop keeps the memory in fp32)."""
+        if suffix is None:
+            return None
+        memory, features, valid, corr = self._on_device(suffix.memory, suffix.features, suffix.valid,
+                                                        suffix.corr_index)
+        return SuffixInputs(memory.to(dtype), features.to(dtype), valid.to(dtype), corr)
+
     @torch.inference_mode()
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
-        P = _longest_past(positions)
-        pk, pv = self.tcache.past(slots, P)
+        T = input_ids.shape[1]
+        width = window_width(max(row[0] for row in host_values(positions)) + T, self.max_seq_len)
+        kw, vw, is_view = self.tcache.window(slots, width)
         slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
                                                                                logits_index, tree_mask)
-        past_len = positions[:, 0]
         with self._autocast():
-            logits, taps, nk, nv = self.target_step(input_ids, positions, pk, pv, past_len, logits_index.contiguous(),
-                                                    tree_mask=tree_mask)
-        if tree_mask is not None:  # node m's K/V at scratch index positions[:, 0] + m (see commit_path)
-            positions = past_len.unsqueeze(1) + torch.arange(input_ids.shape[1], device=positions.device)
-        self.tcache.write(slots, positions, nk, nv)
-        return logits, taps
+            logits, taps = self.target_step(input_ids, positions, kw, vw, logits_index.contiguous(), tree_mask)
+        if not is_view:  # node m of a tree sits at the scratch column positions[:, 0] + m (see commit_path)
+            written = positions if tree_mask is None else positions[:, :1] + torch.arange(T, device=self.device)
+            self.tcache.write_back(slots, written, kw, vw)
+        return logits.float(), taps
 
     @torch.inference_mode()
     def commit_path(self, slots, src_index, dst_pos):
@@ -130,19 +172,18 @@ class TorchBackend:
 
     @torch.inference_mode()
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
-        P = _longest_past(ctx_positions)
-        pk, pv = self.dcache.past(slots, P)
+        width = self.block_scratch + window_width(max(max(row) for row in host_values(ctx_positions)) + 1,
+                                                  self.max_seq_len)
+        kw, vw, is_view = self.dcache.window(slots, width)
         slots, ctx_taps, ctx_positions, block_ids, block_positions = self._on_device(
             slots, ctx_taps, ctx_positions, block_ids, block_positions)
         dt = self.drafter_model.fc.weight.dtype
-        if suffix is not None:  # the loop keeps the memory in fp32
-            memory, features, valid, corr = self._on_device(suffix.memory, suffix.features, suffix.valid,
-                                                            suffix.corr_index)
-            suffix = SuffixInputs(memory.to(dt), features.to(dt), valid.to(dt), corr)
+        suffix = self._suffix_on_device(suffix, dt)
         with self._autocast():
-            hidden, logits, nk, nv = self.draft_step(ctx_taps.to(dt), ctx_positions, pk, pv,
-                                                     ctx_positions[:, 0], block_ids, block_positions, suffix)
-        self.dcache.write(slots, ctx_positions, nk, nv)
+            hidden, logits = self.draft_step(ctx_taps.to(dt), ctx_positions, kw, vw, block_ids, block_positions,
+                                             self.block_scratch, suffix)
+        if not is_view:
+            self.dcache.write_back(slots, ctx_positions + self.block_scratch, kw, vw)
         return hidden.float(), logits.float()
 
     def release(self, slot: int) -> None:

@@ -23,12 +23,16 @@ from retrace.runtime.loop import Scheduler
 from retrace.runtime.options import RuntimeOptions
 from retrace.runtime.sampling import SamplingParams
 from retrace.runtime.torch_backend import TorchBackend
+from retrace.runtime.torch_concat import ConcatTorchBackend
 
 
 def make_backend(target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int, max_seq_len: int,
-                 device: torch.device | str = "cpu"):
-    """The runtime's torch backend on `device` (the models must be there: the trainers put them there)."""
-    return TorchBackend(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, device=device)
+                 device: torch.device | str = "cpu", static_cache: bool = False):
+    """The runtime's torch backend on `device` (the models must be there: the trainers put them there).
+    Training and its evaluations run it over a dense past (runtime/torch_concat.py: the numerics the shipped
+    zoo was trained with); static_cache=True: the runtime's static caches (same tokens, other last bits)."""
+    cls = TorchBackend if static_cache else ConcatTorchBackend
+    return cls(target, drafter, max_batch=max_batch, max_seq_len=max_seq_len, device=device)
 
 
 # -- records -----------------------------------------------------------------------------------------------
