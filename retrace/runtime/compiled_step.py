@@ -3,8 +3,9 @@
 The target's step and the drafter's block step (models/cached_step.py) are compiled with `fullgraph=True`
 (a graph break is an error, never a silent fallback to Python) and dynamic shapes (the batch, the verify
 width, the drafter's context length and the cache window, a power-of-two bucket, vary: one graph serves
-them). The steps write the caches in place (`scatter_` into views of them), which inductor keeps in place. If the compiler itself fails (no C++ toolchain, an
-unsupported op on this build), the step falls back to eager once, with a warning, and stays eager.
+them). The steps write the caches in place (`scatter_` into views of them), which inductor keeps in place.
+If the compiler itself fails (no C++ toolchain, an unsupported op on this build), the step falls back to
+eager once, with a warning, and stays eager.
 """
 
 from __future__ import annotations
