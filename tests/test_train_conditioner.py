@@ -128,15 +128,19 @@ def test_train_conditioner_end_to_end(pair, tmp_path):
 
 
 def test_make_backend_is_the_runtime_torch_backend(pair):
-    """Rollouts run on the runtime's own torch backend with a device (no separate GPU backend): the same
-    rounds as a TorchBackend built directly, and the records are host tensors (training data)."""
+    """Rollouts run on the runtime's own torch backend with a device (no separate GPU backend; over a dense
+    past, the numerics the zoo was trained with: runtime/torch_concat.py): the same rounds as a TorchBackend
+    built directly, and the records are host tensors (training data)."""
+    from retrace.runtime.torch_concat import ConcatTorchBackend
     from retrace.train.rollout import TorchBackend, make_backend, run_requests
 
     target, drafter = pair.load()
     ps = prompts(6)
     outs = []
-    for be in (TorchBackend(target, drafter, 3, 64), make_backend(target, drafter, 3, 64, device="cpu")):
-        assert type(be) is TorchBackend and be.device == torch.device("cpu")
+    backends = (TorchBackend(target, drafter, 3, 64), make_backend(target, drafter, 3, 64, device="cpu"))
+    assert [type(be) for be in backends] == [TorchBackend, ConcatTorchBackend]
+    for be in backends:
+        assert be.device == torch.device("cpu")
         rolls, sched = run_requests(be, ps, "retrace", 16, block_size=8, record=True)
         outs.append(([r.output_ids for r in rolls], [len(r.rounds) for r in rolls], sched.stats["retrace"].rounds))
         assert all(rec.memory.device.type == "cpu" for r in rolls for rec in r.rounds)
