@@ -37,22 +37,31 @@ def _tmp_root() -> Path:
     return root
 
 
-@functools.cache
-def pair_and_bundle() -> Built:
+def cli_build(target: Path, drafter: Path | None, out: Path, max_batch: int, max_seq_len: int, *extra: str) -> str:
+    """`retrace-export build` through click's CliRunner (the CLI itself is exercised); raises with the CLI's
+    output unless it succeeds, and returns that output."""
     from click.testing import CliRunner
-    from runtime_fixtures import write_pair
 
     from retrace.export.cli import main
+
+    args = ["build", "--target", str(target), *(["--drafter", str(drafter)] if drafter is not None else []),
+            "--out", str(out), "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len), *extra]
+    res = CliRunner().invoke(main, args)
+    if res.exit_code != 0:
+        raise RuntimeError(f"retrace-export build failed ({res.exit_code}):\n{res.output}\n{res.exception!r}")
+    return res.output
+
+
+@functools.cache
+def pair_and_bundle() -> Built:
+    from runtime_fixtures import write_pair
 
     root = _tmp_root()
     target, drafter = write_pair(root, vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
                                  block_size=BLOCK, conditioner="random", seed=3)
     bundle = root / "bundle"
-    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out", str(bundle),
-                                    "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ)])
-    if res.exit_code != 0:
-        raise RuntimeError(f"retrace-export build failed ({res.exit_code}):\n{res.output}\n{res.exception!r}")
-    return Built(root, target, drafter, bundle, res.output)
+    output = cli_build(target, drafter, bundle, MAX_BATCH, MAX_SEQ)
+    return Built(root, target, drafter, bundle, output)
 
 
 def copy_bundle(dst: Path) -> Path:

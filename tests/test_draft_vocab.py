@@ -20,6 +20,7 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
+from export_fixtures import cli_build
 from runtime_fixtures import hf_greedy, load_hf_target, single_thread, write_pair
 from safetensors.torch import load_file, save_file
 
@@ -84,11 +85,7 @@ def world(tmp_path_factory, one_thread):
     vocab.save(restricted)
     assert 0.3 < vocab.coverage < 1
     bundle = root / "bundle"
-    from retrace.export.cli import main
-
-    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(restricted), "--out",
-                                    str(bundle), "--max-batch", "4", "--max-seq-len", "160", "--tree-mask", "--quiet"])
-    assert res.exit_code == 0, res.output
+    cli_build(target, restricted, bundle, 4, 160, "--tree-mask", "--quiet")
     return dict(root=root, target=target, drafter=drafter, restricted=restricted, vocab=vocab, bundle=bundle,
                 prompts=prompts, greedy=greedy)
 

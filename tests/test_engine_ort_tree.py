@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from click.testing import CliRunner
-from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, pair_and_bundle
+from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, cli_build, pair_and_bundle
 from runtime_fixtures import OracleDrafter, call_both, hf_greedy, load_hf_target, single_thread, write_pair
 
 from retrace.errors import RetraceError
@@ -21,16 +20,11 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def tree_bundle(tmp_path_factory):
-    from retrace.export.cli import main
-
     root = tmp_path_factory.mktemp("ort-tree")
     target, drafter = write_pair(root, vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
                                  block_size=BLOCK, conditioner="random", seed=3)
     bundle = root / "bundle"
-    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out", str(bundle),
-                                    "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ), "--tree-mask",
-                                    "--quiet"])
-    assert res.exit_code == 0, res.output
+    cli_build(target, drafter, bundle, MAX_BATCH, MAX_SEQ, "--tree-mask", "--quiet")
     return target, drafter, bundle
 
 

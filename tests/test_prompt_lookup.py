@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from export_fixtures import cli_build
 from runtime_fixtures import LinearCost, hf_greedy, load_hf_target, write_pair
 
 from retrace.errors import RetraceError
@@ -83,14 +84,8 @@ def test_greedy_with_lookup_is_the_targets_own_decode_on_torch(pair, mode):
 
 
 def test_lookup_on_onnxruntime_and_sampling_rows(pair, tmp_path):
-    from click.testing import CliRunner
-
-    from retrace.export.cli import main
-
     target, drafter, prompts, greedy = pair
-    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out",
-                                    str(tmp_path / "b"), "--max-batch", "4", "--max-seq-len", "128", "--quiet"])
-    assert res.exit_code == 0, res.output
+    cli_build(target, drafter, tmp_path / "b", 4, 128, "--quiet")
     rt = Runtime.from_bundle(tmp_path / "b", threads=1, verify_policy=_never_drafts(8),
                              prompt_lookup=PromptLookup(max_rows=4))
     out = rt.generate(prompts, SamplingParams(max_new_tokens=48), "retrace")

@@ -15,6 +15,7 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
+from export_fixtures import cli_build
 from runtime_fixtures import OracleDrafter, write_pair
 from test_runtime_sampling import ALPHA, chi_square
 
@@ -29,16 +30,12 @@ V, BLOCK, MAX_BATCH, MAX_SEQ, MAX_NEW = 16, 8, 8, 128, 40
 
 @pytest.fixture(scope="module")
 def qbundle(tmp_path_factory, one_thread):
-    from retrace.export.cli import main
-
     root = tmp_path_factory.mktemp("int4")
     target, drafter = write_pair(root, vocab=V, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=48,
                                  block_size=BLOCK, conditioner="random", seed=7)
     bundle = root / "bundle"
-    res = CliRunner().invoke(main, ["build", "--target", str(target), "--drafter", str(drafter), "--out", str(bundle),
-                                    "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ), "--tree-mask",
-                                    "--weights", "int4", "--weight-block-size", "16", "--quiet"])
-    assert res.exit_code == 0, res.output
+    cli_build(target, drafter, bundle, MAX_BATCH, MAX_SEQ, "--tree-mask", "--weights", "int4",
+              "--weight-block-size", "16", "--quiet")
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, V - 1, (n,), generator=g).tolist() for n in (5, 1, 9, 3, 12)]
     own = Runtime.from_bundle(bundle, threads=1).generate(prompts, SamplingParams(max_new_tokens=MAX_NEW + BLOCK + 2),
