@@ -2,7 +2,7 @@
 
     python benchmarks/torch_static_cache.py [--shape qwen3-0.6b|small] [--threads 2] [--prompts 4]
                                             [--prompt-len 64] [--max-new-tokens 48] [--runs 2] [--compile]
-                                            [--per-call] [--json out.json]
+                                            [--per-call] [--ort] [--json out.json]
 
 Random weights of the shape (the speed of a dense fp32 model does not depend on its values), `ar` mode at
 batch 1 (each prompt in turn) through the Runtime, for
@@ -10,6 +10,7 @@ batch 1 (each prompt in turn) through the Runtime, for
            static caches, kept verbatim for training rollouts),
   static   runtime/torch_backend.py: K/V written in place, attention over a bucketed cache window,
   static+compile (--compile) the same under torch.compile (inductor, fullgraph),
+  ort      (--ort) our ONNX Runtime backend on a bundle of the same weights (built once, fp32, in a temp dir),
 interleaved run by run on the same weights (the machine is shared: compare within a run); prints tok/s and
 static / concat per run, and checks that every variant gives the same tokens. --per-call: instead, ms per
 target call (T=1 and T=16 at past 128 and 1024, batch 1; the minimum over --runs, interleaved).
@@ -49,6 +50,41 @@ def random_target(shape: str) -> Qwen3Target:
         for p in model.parameters():
             p.normal_(0, 0.02)
     return model.eval().requires_grad_(False)
+
+
+def hf_random_dir(shape: str, root: Path) -> Path:
+    """The random weights of `shape` as a transformers Qwen3 directory (what a bundle is built from)."""
+    from transformers import Qwen3Config as HFConfig
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(HFConfig(**SHAPES[shape], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096,
+                                   tie_word_embeddings=True))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.02)
+    hf.save_pretrained(root / "target")
+    return root / "target"
+
+
+def ort_runtime(shape: str, threads: int, max_seq_len: int) -> tuple[Runtime, Qwen3Target]:
+    """A Runtime on our ONNX Runtime backend over a bundle of random `shape` weights, and the same weights
+    as a Qwen3Target (so the torch variants run the same model)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from retrace.export.build import BuildOptions, build_bundle
+    from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    tmp = Path(tempfile.mkdtemp(prefix="static-cache-ort-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    tdir = hf_random_dir(shape, tmp)
+    t0 = time.perf_counter()
+    build_bundle(BuildOptions(tdir, None, tmp / "bundle", max_batch=1, max_seq_len=max_seq_len))
+    print(f"bundle built in {time.perf_counter() - t0:.0f} s", flush=True)
+    backend = OnnxRuntimeBackend.from_bundle(tmp / "bundle", max_batch=1, threads=threads, verify=False)
+    return Runtime(backend), Qwen3Target.from_pretrained(tdir).eval().requires_grad_(False)
 
 
 def tokens_per_s(rt: Runtime, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
@@ -91,10 +127,16 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also the static path under torch.compile (inductor)")
     ap.add_argument("--per-call", action="store_true")
+    ap.add_argument("--ort", action="store_true", help="also our ONNX Runtime backend on the same weights")
+    ap.add_argument("--skip-concat", action="store_true", help="leave out the dense-past variant")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    target = random_target(a.shape)
+    ort_rt = None
+    if a.ort:
+        ort_rt, target = ort_runtime(a.shape, a.threads, a.max_seq_len)
+    else:
+        target = random_target(a.shape)
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     prompts = [torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
@@ -103,6 +145,9 @@ def main(argv=None) -> int:
                 "static": lambda: TorchBackend(target, None, **kw)}
     if a.compile:
         variants["static+compile"] = lambda: TorchBackend(target, None, compile=True, **kw)
+    if a.skip_concat:
+        del variants["concat"]
+    base = next(iter(variants))
     if a.per_call:
         res = per_call({name: make() for name, make in variants.items()}, a.runs, vocab)
         for key, row in res.items():
@@ -112,17 +157,24 @@ def main(argv=None) -> int:
             Path(a.json).write_text(json.dumps({"shape": a.shape, "threads": a.threads, "per_call_ms": res}, indent=2))
         return 0
     runtimes = {name: Runtime(make()) for name, make in variants.items()}
+    if ort_rt is not None:
+        runtimes["ort"] = ort_rt
     report: dict = {"shape": a.shape, "threads": a.threads, "prompts": a.prompts, "prompt_len": a.prompt_len,
                     "max_new_tokens": a.max_new_tokens, "runs": []}
     tokens = {}
     for run in range(a.runs):
         row = {}
         for name, rt in runtimes.items():
+            t0 = time.perf_counter()
             row[name], tokens[name] = tokens_per_s(rt, prompts, a.max_new_tokens)
+            if run == 0:
+                report.setdefault("first_run_s", {})[name] = round(time.perf_counter() - t0, 1)  # compile included
         report["runs"].append(row)
-        ratios = "  ".join(f"{n}/concat {row[n] / row['concat']:.2f}x" for n in row if n != "concat")
-        print(f"run {run + 1}: " + "  ".join(f"{n} {v:.2f} tok/s" for n, v in row.items()) + f"  ({ratios})")
-    report["same_tokens"] = all(t == tokens["concat"] for t in tokens.values())
+        ref = "ort" if "ort" in row else base
+        ratios = "  ".join(f"{n}/{ref} {row[n] / row[ref]:.2f}x" for n in row if n != ref)
+        print(f"run {run + 1}: " + "  ".join(f"{n} {v:.2f} tok/s" for n, v in row.items()) + f"  ({ratios})",
+              flush=True)
+    report["same_tokens"] = all(t == tokens[base] for t in tokens.values())
     print("same tokens in every variant:", report["same_tokens"])
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=2))

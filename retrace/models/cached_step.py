@@ -44,17 +44,52 @@ def write_at(window: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> No
     window.scatter_(2, index[:, None, :, None].expand(n, h, -1, d), new.to(window.dtype))
 
 
-def _layer(layer: DecoderLayer, x, cos, sin, k_window, v_window, index, mask, ctx=None):
-    """One decoder layer over new states x [N, T, d]: their K/V (and ctx = (k, v, index) of the drafter's
-    context) are written into the windows, then the queries attend over the windows under mask [N,1,T|1,W]."""
+class ViewWindows:
+    """K/V access of a call over window views: the new K/V (and the drafter's context) are `write_at` into
+    the windows, which are then attended over whole."""
+
+    def __init__(self, k_window: list[torch.Tensor], v_window: list[torch.Tensor], index: torch.Tensor,
+                 ctx_index: torch.Tensor | None = None):
+        self.k, self.v, self.index, self.ctx_index = k_window, v_window, index, ctx_index
+
+    def __call__(self, i: int, k, v, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if ctx is not None:
+            write_at(self.k[i], self.ctx_index, ctx[0])
+            write_at(self.v[i], self.ctx_index, ctx[1])
+        write_at(self.k[i], self.index, k)
+        write_at(self.v[i], self.index, v)
+        return self.k[i], self.v[i]
+
+
+class SlotWindows:
+    """K/V access of a call over whole caches [S, Hkv, L, hd] (the static-shape steps, docs/static-cache.md):
+    the new K/V go into the rows `slots` at columns `index` (and `ctx_index`) in place, then columns [0, width)
+    of those rows are gathered and attended over. Every tensor has a fixed shape and storage per (rows,
+    width, window): what a CUDA graph needs. Padded rows sit in a scratch slot, padded columns write to
+    scratch columns >= width, so no real row ever sees them."""
+
+    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: torch.Tensor, width: int,
+                 index: torch.Tensor, ctx_index: torch.Tensor | None = None):
+        self.k, self.v, self.slots, self.width = k_cache, v_cache, slots, width
+        self.index, self.ctx_index = index, ctx_index
+
+    def __call__(self, i: int, k, v, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.slots[:, None]
+        for cache, new, ctx_new in ((self.k[i], k, ctx and ctx[0]), (self.v[i], v, ctx and ctx[1])):
+            if ctx_new is not None:
+                cache[rows, :, self.ctx_index] = ctx_new.transpose(1, 2).to(cache.dtype)
+            cache[rows, :, self.index] = new.transpose(1, 2).to(cache.dtype)  # [N, T, Hkv, hd] at (slot, col)
+        return (torch.index_select(self.k[i][:, :, :self.width], 0, self.slots),
+                torch.index_select(self.v[i][:, :, :self.width], 0, self.slots))
+
+
+def _layer(layer: DecoderLayer, i: int, x, cos, sin, kv, mask, ctx=None):
+    """Decoder layer i over new states x [N, T, d]: `kv` writes their K/V (and ctx = (k, v) of the drafter's
+    context) and gives the windows, which the queries attend over under mask [N, 1, T|1, W]."""
     h = layer.input_layernorm(x)
     q = layer.self_attn.query(h, cos, sin)
     k, v = layer.self_attn.key_value(h, cos, sin)
-    if ctx is not None:
-        write_at(k_window, ctx[2], ctx[0])
-        write_at(v_window, ctx[2], ctx[1])
-    write_at(k_window, index, k)
-    write_at(v_window, index, v)
+    k_window, v_window = kv(i, k, v, ctx)
     x = x + layer.self_attn.output(q, k_window, v_window, mask)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
@@ -79,12 +114,27 @@ def target_step(target, rope: RopeTable, input_ids: torch.Tensor, positions: tor
                 tree_mask: torch.Tensor | None = None):
     """-> (logits [N, K, V] in the model's dtype at logits_index, taps [N, T, len(tap_layers) * d]); the new
     K/V are in the windows (columns as the module docstring says)."""
+    mask, index = target_mask(positions, k_window[0].shape[2], tree_mask)
+    return _target_layers(target, rope, input_ids, positions, ViewWindows(k_window, v_window, index), mask,
+                          logits_index)
+
+
+def slot_target_step(target, rope: RopeTable, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                     slots: torch.Tensor, width: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                     write_cols: torch.Tensor, logits_index: torch.Tensor, tree_mask: torch.Tensor | None = None):
+    """`target_step` over whole caches (`SlotWindows`): the new K/V at columns write_cols [N, T] of rows
+    slots [N], attention over columns [0, width). Same outputs for the real rows and columns."""
+    mask, _ = target_mask(positions, width, tree_mask)
+    kv = SlotWindows(k_cache, v_cache, slots, width, write_cols)
+    return _target_layers(target, rope, input_ids, positions, kv, mask, logits_index)
+
+
+def _target_layers(target, rope: RopeTable, input_ids, positions, kv, mask, logits_index):
     x = target.embed(input_ids)
     cos, sin = rope.at(positions)
-    mask, index = target_mask(positions, k_window[0].shape[2], tree_mask)
     tapped = {}
     for i, layer in enumerate(target.model.layers):
-        x = _layer(layer, x, cos, sin, k_window[i], v_window[i], index, mask)
+        x = _layer(layer, i, x, cos, sin, kv, mask)
         if i in target.tap_layers:
             tapped[i] = x
     rows = logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1])
@@ -110,8 +160,28 @@ def draft_step(drafter, rope: RopeTable, ctx_taps: torch.Tensor, ctx_positions: 
     """-> (hidden [N, B, d] after the final norm, logits [N, B-1, V] float32 for slots 1..B-1); the context
     K/V are in the windows at columns offset + ctx_positions (offset >= B; see the module docstring)."""
     N, B = block_ids.shape
-    C = ctx_taps.shape[1]
-    W = k_window[0].shape[2]
+    kv = ViewWindows(k_window, v_window, torch.arange(B, device=block_ids.device).expand(N, B),
+                     ctx_positions + offset)
+    return _draft_layers(drafter, rope, ctx_taps, ctx_positions, kv, k_window[0].shape[2], block_ids,
+                         block_positions, offset, suffix)
+
+
+def slot_draft_step(drafter, rope: RopeTable, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                    slots: torch.Tensor, width: int, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor,
+                    ctx_cols: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor, offset: int,
+                    suffix=None):
+    """`draft_step` over whole caches (`SlotWindows`): the context K/V at columns ctx_cols [N, C] of rows
+    slots [N] (offset + ctx_positions for real entries), attention over columns [0, width)."""
+    N, B = block_ids.shape
+    kv = SlotWindows(k_cache, v_cache, slots, width, torch.arange(B, device=block_ids.device).expand(N, B),
+                     ctx_cols)
+    return _draft_layers(drafter, rope, ctx_taps, ctx_positions, kv, width, block_ids, block_positions, offset,
+                         suffix)
+
+
+def _draft_layers(drafter, rope, ctx_taps, ctx_positions, kv, width: int, block_ids, block_positions, offset,
+                  suffix):
+    B, C = block_ids.shape[1], ctx_taps.shape[1]
     ctx = drafter.project(ctx_taps)
     x = drafter.block_states(ctx, block_ids, suffix)
     cos_c, sin_c = rope.at(ctx_positions)
@@ -119,12 +189,10 @@ def draft_step(drafter, rope: RopeTable, ctx_taps: torch.Tensor, ctx_positions: 
     # visible context: the cached past (< past) and this call's context (consecutive from past) before the anchor
     past, anchor = ctx_positions[:, :1], block_positions[:, :1]
     limit = torch.maximum(past, torch.minimum(past + C, anchor))
-    cols = torch.arange(W, device=x.device)
+    cols = torch.arange(width, device=x.device)
     mask = ((cols < B) | ((cols >= offset) & (cols - offset < limit)))[:, None, None, :]  # [N, 1, 1, W]
-    ctx_index = ctx_positions + offset
-    block_index = torch.arange(B, device=x.device).expand(N, B)
     for i, layer in enumerate(drafter.layers):
         kc, vc = layer.self_attn.key_value(ctx, cos_c, sin_c)
-        x = _layer(layer, x, cos_b, sin_b, k_window[i], v_window[i], block_index, mask, ctx=(kc, vc, ctx_index))
+        x = _layer(layer, i, x, cos_b, sin_b, kv, mask, ctx=(kc, vc))
     h = drafter.norm(x)
     return h, drafter.logits(h[:, 1:])

@@ -49,13 +49,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 ONNX_ATTENTION = "native"
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [N,H,T,hd], k/v [N,Hkv,S,hd], mask [N,1,T,S] bool (True = attend). Returns [N,H,T,hd]."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              gqa: bool | None = None) -> torch.Tensor:
+    """q [N,H,T,hd], k/v [N,Hkv,S,hd], mask [N,1,T,S] bool (True = attend). Returns [N,H,T,hd]. gqa: H != Hkv
+    (from the config, so that torch.compile with dynamic shapes sees a constant; None: from the shapes)."""
     if torch.onnx.is_in_onnx_export():
         if ONNX_ATTENTION == "native":
             return torch.onnx.ops.attention(q, k, v, attn_mask=mask)[0]
         return _attention_decomposed(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1] if gqa is None else gqa
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def lm_head(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -107,7 +110,7 @@ class Attention(nn.Module):
         return k, v
 
     def output(self, q, k, v, mask) -> torch.Tensor:
-        o = attention(q, k, v, mask)
+        o = attention(q, k, v, mask, self.c.num_attention_heads != self.c.num_key_value_heads)
         return self.o_proj(o.transpose(1, 2).reshape(*o.shape[:1], o.shape[2], -1))
 
 

@@ -5,6 +5,12 @@ in place and attends over a window of `window_width` columns, a power-of-two buc
 Tensors in and out live on `device` (the models' device); index inputs the loop built with
 `device.index_tensor` carry their host values, so the window and whether the slots are one range are read
 on the host, never from the device. bfloat16 / float16 / float32 weights: `from_dirs(dtype=...)`.
+
+Static shapes (`static_shapes`, on whenever CUDA graphs are): calls whose verify width and context fit a
+bucket (runtime/step_buckets.py) are padded to it and run the slot-index steps over the whole caches (a
+scratch slot and scratch columns past max_seq_len take the padding), through runtime/cuda_graphs.py: one
+CUDA graph per bucket on CUDA (`cuda_graphs`, default on there), eagerly elsewhere. Prefill and wider calls
+run the window steps as before.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from pathlib import Path
 
 import torch
 
-from retrace.models.cached_step import RopeTable, draft_step, target_step
+from retrace.models.cached_step import RopeTable, draft_step, slot_draft_step, slot_target_step, target_step
 from retrace.models.drafter import DFlashDrafter, SuffixInputs, load_pair
 from retrace.models.target import Qwen3Target
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.compiled_step import CompiledStep
+from retrace.runtime.cuda_graphs import CUDAGraphSteps, steps_runner
 from retrace.runtime.device import host_values, resolve_device, resolve_dtype
+from retrace.runtime.step_buckets import SCRATCH_COLUMNS, Bucket, batch_bucket, pad_draft, pad_target, verify_width
 
 
 class KVCache:
@@ -79,11 +87,13 @@ class TorchBackend:
 
     def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int = 8,
                  max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str | None = None,
-                 compile: bool | str = False):
+                 compile: bool | str = False, cuda_graphs: bool | None = None, static_shapes: bool | None = None):
         """device: where the caches and every tensor in and out live (default: the target's); the models
         must be there already (`from_dirs` puts them there). compile: run the target's and the drafter's
         steps under torch.compile(fullgraph=True) (True = inductor; or a compiler name of
-        runtime/compiled_step.py; False: eager)."""
+        runtime/compiled_step.py; False: eager). cuda_graphs: capture the padded steps as CUDA graphs (None:
+        on CUDA only; True elsewhere: an error). static_shapes: pad calls to the step buckets (None: when
+        CUDA graphs are on; True on the CPU runs the same padded steps eagerly)."""
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device) if device is not None else target.lm_head.weight.device
@@ -96,20 +106,34 @@ class TorchBackend:
         self.max_seq_len = max_seq_len
         self.dtype = target.lm_head.weight.dtype
         self.compiled = compile
+        self.runner = steps_runner(self.device, cuda_graphs)
+        self.static_shapes = isinstance(self.runner, CUDAGraphSteps) if static_shapes is None else static_shapes
+        # static shapes: one scratch slot (row max_batch) for padded rows, scratch columns for padded columns
+        slots, extra = (max_batch + 1, SCRATCH_COLUMNS) if self.static_shapes else (max_batch, 0)
         with self.device:
             self.target_step, self.draft_step, self.block_scratch = self._steps(target, drafter)
             tc = target.config.layers
-            self.tcache = KVCache(tc.num_hidden_layers, max_batch, tc.num_key_value_heads, max_seq_len, tc.head_dim,
-                                  self.dtype)
+            self.tcache = KVCache(tc.num_hidden_layers, slots, tc.num_key_value_heads, max_seq_len + extra,
+                                  tc.head_dim, self.dtype)
             self.dcache = None
             if drafter is not None:
                 dc = drafter.config.layers
-                self.dcache = KVCache(dc.num_hidden_layers, max_batch, dc.num_key_value_heads,
-                                      self.block_scratch + max_seq_len, dc.head_dim, drafter.fc.weight.dtype)
+                self.dcache = KVCache(dc.num_hidden_layers, slots, dc.num_key_value_heads,
+                                      self.block_scratch * (2 if self.static_shapes else 1) + max_seq_len,
+                                      dc.head_dim, drafter.fc.weight.dtype)
+        self.slot_target_step = self.slot_draft_step = None
+        if self.static_shapes:
+            self.slot_target_step = partial(slot_target_step, target, self.target_step.args[1], self.tcache.k,
+                                            self.tcache.v)
+            if drafter is not None:
+                self.slot_draft_step = partial(_slot_draft, drafter, self.draft_step.args[1], self.dcache.k,
+                                               self.dcache.v, offset=self.block_scratch)
         if compile:
             compiler = "inductor" if compile is True else compile
-            self.target_step = CompiledStep(self.target_step, "target", compiler)
-            self.draft_step = CompiledStep(self.draft_step, "drafter", compiler) if drafter is not None else None
+            for name, what in (("target_step", "target"), ("draft_step", "drafter"),
+                               ("slot_target_step", "padded target"), ("slot_draft_step", "padded drafter")):
+                if getattr(self, name) is not None:
+                    setattr(self, name, CompiledStep(getattr(self, name), what, compiler))
 
     def _steps(self, target: Qwen3Target, drafter: DFlashDrafter | None):
         """-> (the target's step, the drafter's step, drafter cache columns before context position 0: the
@@ -156,6 +180,9 @@ class TorchBackend:
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         T = input_ids.shape[1]
         width = window_width(max(row[0] for row in host_values(positions)) + T, self.max_seq_len)
+        padded = verify_width(T) if self.static_shapes else None
+        if padded is not None:
+            return self._padded_target(width, padded, slots, input_ids, positions, logits_index, tree_mask)
         kw, vw, is_view = self.tcache.window(slots, width)
         slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
                                                                                logits_index, tree_mask)
@@ -166,6 +193,20 @@ class TorchBackend:
             self.tcache.write_back(slots, written, kw, vw)
         return logits.float(), taps
 
+    def _padded_target(self, window, width, slots, input_ids, positions, logits_index, tree_mask):
+        """A target call padded to its bucket, run by the runner (a CUDA graph per bucket on CUDA)."""
+        N, K = len(slots), logits_index.shape[1]
+        rows = batch_bucket(N, self.max_batch)
+        slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
+                                                                               logits_index, tree_mask)
+        inputs = pad_target(slots, input_ids, positions, logits_index, tree_mask, rows, width,
+                            scratch_slot=self.max_batch, scratch_col=self.max_seq_len)
+        bucket = Bucket("target", rows, width, window, (tree_mask is not None,))
+        with self._autocast():
+            logits, taps = self.runner(bucket, self.slot_target_step, inputs)
+        # copies: a CUDA graph's outputs are its own buffers, overwritten by its next replay
+        return logits[:N, :K].to(torch.float32, copy=True), taps[:N, :input_ids.shape[1]].clone()
+
     @torch.inference_mode()
     def commit_path(self, slots, src_index, dst_pos):
         self.tcache.move(*self._on_device(slots, src_index, dst_pos))
@@ -174,6 +215,8 @@ class TorchBackend:
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
         width = self.block_scratch + window_width(max(max(row) for row in host_values(ctx_positions)) + 1,
                                                   self.max_seq_len)
+        if self.static_shapes and ctx_taps.shape[1] <= block_ids.shape[1]:
+            return self._padded_draft(width, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix)
         kw, vw, is_view = self.dcache.window(slots, width)
         slots, ctx_taps, ctx_positions, block_ids, block_positions = self._on_device(
             slots, ctx_taps, ctx_positions, block_ids, block_positions)
@@ -186,5 +229,28 @@ class TorchBackend:
             self.dcache.write_back(slots, ctx_positions + self.block_scratch, kw, vw)
         return hidden.float(), logits.float()
 
+    def _padded_draft(self, window, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix):
+        """A drafter call with its context padded to the block size and its rows to their bucket."""
+        N, B = block_ids.shape
+        rows = batch_bucket(N, self.max_batch)
+        slots, ctx_taps, ctx_positions, block_ids, block_positions = self._on_device(
+            slots, ctx_taps, ctx_positions, block_ids, block_positions)
+        dt = self.drafter_model.fc.weight.dtype
+        suffix = self._suffix_on_device(suffix, dt)
+        parts = None if suffix is None else (suffix.memory, suffix.features, suffix.valid, suffix.corr_index)
+        inputs = pad_draft(slots, ctx_taps.to(dt), ctx_positions, block_ids, block_positions, parts, rows, B,
+                           scratch_slot=self.max_batch, offset=self.block_scratch,
+                           scratch_col=self.block_scratch + self.max_seq_len)
+        bucket = Bucket("drafter", rows, B, window, (suffix is not None,))
+        with self._autocast():
+            hidden, logits = self.runner(bucket, self.slot_draft_step, inputs)
+        return hidden[:N].to(torch.float32, copy=True), logits[:N].to(torch.float32, copy=True)
+
     def release(self, slot: int) -> None:
         pass
+
+
+def _slot_draft(drafter, rope, k_cache, v_cache, *, width, offset, suffix=None, **inputs):
+    """slot_draft_step with the suffix inputs as a tuple (runtime/cuda_graphs.py keeps flat tensors)."""
+    return slot_draft_step(drafter, rope, k_cache, v_cache, width=width, offset=offset,
+                           suffix=None if suffix is None else SuffixInputs(*suffix), **inputs)
