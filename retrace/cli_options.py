@@ -50,6 +50,8 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
         help="weights and caches of --target/--drafter", note="[default: float32]")),
     "compile": ("compile_steps", "--compile", dict(
         is_flag=True, help="run the torch backend's target and drafter steps under torch.compile(fullgraph=True)")),
+    "cuda_graphs": ("no_cuda_graphs", "--no-cuda-graphs", dict(
+        is_flag=True, help="on CUDA, run the torch backend's steps eagerly instead of as captured CUDA graphs")),
 }
 
 SOURCE_OPTIONS = [  # where the runtime comes from (not RuntimeOptions: they pick the backend and its files)
@@ -97,8 +99,9 @@ def options_from_flags(values: dict):
     for field, (param, _, _) in FLAGS.items():
         if param in values:
             given[field] = values[param]
-    if "verify_bundle" in given:  # a "--no-" flag: off when given, else the backend's default
-        given["verify_bundle"] = False if given["verify_bundle"] else None
+    for name in ("verify_bundle", "cuda_graphs"):  # "--no-" flags: off when given, else the backend's default
+        if name in given:
+            given[name] = False if given[name] else None
     try:
         return RuntimeOptions(**given)
     except InvalidOption as e:

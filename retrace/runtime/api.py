@@ -95,7 +95,8 @@ class Runtime:
 
         be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=opts.max_batch or DIRS_MAX_BATCH,
                                     max_seq_len=opts.max_seq_len or DIRS_MAX_SEQ_LEN, threads=opts.threads,
-                                    device=opts.device, dtype=opts.dtype, compile=opts.compile)
+                                    device=opts.device, dtype=opts.dtype, compile=opts.compile,
+                                    cuda_graphs=opts.cuda_graphs)
         return cls(be, TextCodec.find(target_dir), opts)
 
     @classmethod
@@ -109,6 +110,8 @@ class Runtime:
         opts = RuntimeOptions.of(options, **fields)
         if opts.compile:
             raise RetraceError("--compile applies to the torch backend (--target/--drafter), not to a bundle")
+        if opts.cuda_graphs:
+            raise RetraceError("cuda_graphs applies to the torch backend (--target/--drafter), not to a bundle")
         extra = _bundle_device(backend, opts.device, opts.dtype)
         given = {"max_batch": opts.max_batch, "max_seq_len": opts.max_seq_len, "threads": opts.threads,
                  "verify": opts.verify_bundle}

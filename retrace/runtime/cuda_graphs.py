@@ -65,7 +65,6 @@ class CUDAGraphSteps:
                 self.failed = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture of the {bucket.step} step failed ({self.failed}); running the "
                               "steps eagerly", RuntimeWarning, stacklevel=2)
-                torch.cuda.synchronize(self.device)
                 return step(width=bucket.window, **inputs)
         graph, buffers, outputs = entry
         for buf, value in zip(buffers, pytree.tree_leaves(inputs), strict=True):

@@ -59,6 +59,8 @@ class RuntimeOptions:
     #   checked by runtime/device.py when the weights load); a bundle's dtype is fixed when it is built (refused)
     compile: bool | str = False  # the torch backend's steps under torch.compile(fullgraph=True)
     #   (runtime/compiled_step.py; a backend name such as "eager" for tests); refused for a bundle
+    cuda_graphs: bool | None = None  # the torch backend's padded steps as CUDA graphs, one per bucket
+    #   (runtime/cuda_graphs.py); None: on CUDA, off elsewhere; True without CUDA: an error; refused for a bundle
     verify_bundle: bool | None = None  # re-hash a bundle's files on load; None: unless RETRACE_VERIFY_BUNDLE=0
     #   (sizes are always checked)
 
