@@ -36,3 +36,31 @@ def test_compiled_steps_have_no_graph_break_and_are_token_exact(tmp_path):
     assert not rt.backend.target_step.fallback and not rt.backend.draft_step.fallback
     assert counters["stats"]["unique_graphs"] >= 2  # both steps really went through dynamo
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_padded_static_steps_compile_without_graph_break(tmp_path):
+    """The static-shape steps a CUDA graph captures (runtime/step_buckets.py), padded to their buckets and
+    compiled (fullgraph, dynamic): no graph break, token-exact. 4 query / 2 KV heads: grouped-query attention
+    with symbolic head counts (the SDPA flag comes from the config, not from a symbolic comparison)."""
+    from torch._dynamo.utils import counters
+
+    from retrace.models.drafter import load_pair
+    from retrace.runtime.options import RuntimeOptions
+    from retrace.runtime.torch_backend import TorchBackend
+
+    target, drafter = write_pair(tmp_path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48,
+                                 block_size=6, conditioner="random", seed=4)
+    prompts = [[5, 9, 2, 40, 41], [7, 3], [1, 2, 3, 4]]
+    hf = load_hf_target(target)
+    want = [hf_greedy(hf, p, 16) for p in prompts]
+    torch._dynamo.reset()
+    counters.clear()
+    be = TorchBackend(*load_pair(target, drafter), max_batch=4, max_seq_len=64, compile="eager", static_shapes=True)
+    rt = Runtime(be, None, RuntimeOptions(verify_policy="fixed"))
+    for mode in ("dflash", "retrace"):
+        out = [r.token_ids for r in rt.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True), mode)]
+        assert out == want, mode
+    assert isinstance(be.slot_target_step, CompiledStep) and isinstance(be.slot_draft_step, CompiledStep)
+    assert not be.slot_target_step.fallback and not be.slot_draft_step.fallback
+    assert sum(be.runner.calls.values()) > 4  # the padded steps ran
+    assert not counters["graph_break"], dict(counters["graph_break"])
