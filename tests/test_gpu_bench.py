@@ -37,3 +37,6 @@ def test_gpu_bench_dry_run(tmp_path):
         assert all(t["lossless"] for t in taus.values())
         assert taus["1"]["tau"] == 1.0 and taus["3"]["tau"] > 2.5  # 8 tokens: the last round is cut short
         assert part["profile"]["retrace_k15"]["host_reads_per_round"] <= 2
+    graphs = r["drafter1"]["graphs"]  # the CPU: no CUDA graphs; the padded steps eagerly, the same tokens
+    assert set(graphs) == {"unpadded_eager", "padded_eager", "same_tokens"} and graphs["same_tokens"]
+    assert graphs["padded_eager"]["buckets"] >= 3 and graphs["padded_eager"]["captures"] == 0

@@ -9,7 +9,10 @@ drafter with a ReTrace conditioner; `--dry-run`: the same steps on the CPU at to
              (gpucheck/static_reference.py: what vLLM, SGLang and gpt-fast do), (b) transformers' eager
              greedy decode, (c) the bandwidth roofline: one read of every weight, timed;
   profile    per round: kernel launches and synchronisations (torch.profiler), host reads and the bytes
-             they bring back (every conversion of a tensor to host values, counted).
+             they bring back (every conversion of a tensor to host values, counted);
+  graphs     (the first drafter) the same calls and rounds with the steps captured as CUDA graphs per bucket
+             (the backend's default on CUDA), padded but eager, and unpadded (runtime/step_buckets.py,
+             runtime/cuda_graphs.py): times, captures, replays, and whether the tokens agree.
 OUTDIR/gpu_bench.json is rewritten after every section.
 """
 
@@ -256,6 +259,32 @@ def reference(target, prompt: list[int], n: int, device) -> dict:
     return {"ms_per_token": round(1e3 * s / n, 3), "cuda_graph": ref.graph is not None, "token_ids": toks}
 
 
+def graphs_section(target, drafter, prompts, new: int, max_len: int, device, repeats: int) -> dict:
+    """The backend's steps as CUDA graphs (CUDA only), padded to their buckets but eager, and unpadded."""
+    from retrace.runtime.torch_backend import TorchBackend
+
+    variants = {"unpadded_eager": dict(cuda_graphs=False, static_shapes=False),
+                "padded_eager": dict(cuda_graphs=False, static_shapes=True)}
+    if device.type == "cuda":
+        variants["cuda_graphs"] = dict(cuda_graphs=True)
+    out, tokens = {}, {}
+    for name, kw in variants.items():
+        be = TorchBackend(target, drafter, max_batch=1, max_seq_len=max_len, device=device, **kw)
+        calls = call_timings(be, device, repeats, past=len(prompts[0]))
+        ar = run_rounds(be, prompts, "ar", "fixed", new, device)
+        k15 = run_rounds(be, prompts, "retrace", FixedK(16, 15), new, device)
+        tokens[name] = (ar["token_ids"], k15["token_ids"])
+        out[name] = {"calls": calls, "ar_ms_per_token": ar["ms_per_token"],
+                     "retrace_k15_ms_per_round": k15["ms_per_round"], "retrace_k15_tau": k15["tau"],
+                     "captures": be.runner.captures, "replays": be.runner.replays,
+                     "buckets": len(getattr(be.runner, "calls", ())),
+                     "capture_failed": getattr(be.runner, "failed", None)}
+        del be
+    first = next(iter(tokens.values()))
+    out["same_tokens"] = all(t == first for t in tokens.values())
+    return out
+
+
 # -- the sections -----------------------------------------------------------------------------------------
 def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> None:
     from retrace.runtime.torch_backend import TorchBackend
@@ -290,6 +319,8 @@ def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> N
                            "retrace_k15": profile_round(be, prompts, "retrace", FixedK(16, 15), new, device)}
         save()
         if draft_layers == ((1, 2) if dry else (5, 1))[0]:
+            part["graphs"] = graphs_section(target, drafter, prompts, new, max_len, device, repeats)
+            save()
             ref = reference(target, prompts[0], new, device)
             result["reference_static_cuda_graph"] = {**{k: v for k, v in ref.items() if k != "token_ids"},
                                                      "same_tokens_as_ar": ref["token_ids"] == ar["token_ids"][0]}
