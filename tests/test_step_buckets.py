@@ -21,6 +21,7 @@ import pytest
 import torch
 from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, steep_cost_policy, write_pair
 
+from retrace.cli_options import options_from_flags
 from retrace.errors import RetraceError
 from retrace.models.conditioner import FEATURES
 from retrace.models.drafter import SuffixInputs, load_pair
@@ -171,6 +172,9 @@ def test_cuda_graphs_refused_without_cuda(world):
         Runtime.from_bundle(world[0], options=RuntimeOptions(cuda_graphs=True))
     rt = Runtime.from_dirs(*world[:2], max_batch=2, max_seq_len=64)  # the default on the CPU: unpadded, eager
     assert isinstance(rt.backend.runner, EagerSteps) and not rt.backend.static_shapes
+    assert rt.backend.tcache.k[0].shape[0] == 2  # no scratch slot without static shapes
+    assert options_from_flags({"no_cuda_graphs": True}).cuda_graphs is False
+    assert options_from_flags({"no_cuda_graphs": False}).cuda_graphs is None  # the backend's default
 
 
 def test_a_failed_capture_warns_once_and_runs_the_padded_steps_eagerly(world, monkeypatch):
