@@ -1,7 +1,8 @@
 """The static-shape steps (runtime/step_buckets.py, models/cached_step.py slot steps, runtime/cuda_graphs.py),
 run eagerly on the CPU: what a CUDA graph per bucket replays on a GPU.
 
-- The bucket of every (N, T): rows padded to 1, 2, 4, 8 or max_batch, verify widths to 1, 2, 4, 8, 16;
+- The bucket of every (N, T): rows padded to 1, 2, 4, a multiple of 8 or max_batch, verify widths to 1, 2,
+  4, 8, 16;
   wider calls (prefill) and drafter contexts longer than the block are not padded.
 - Padding never changes a real row: the padded step's logits, taps and drafter outputs equal the unpadded
   step's (relative 1e-5; the same argmax), and the caches' real rows and columns hold the same K/V
@@ -53,10 +54,10 @@ def test_the_bucket_of_every_batch_and_verify_width():
     assert [verify_width(T) for T in range(1, 18)] == [1, 2, 4, 4, 8, 8, 8, 8] + [16] * 8 + [None]
     assert VERIFY_WIDTHS == (1, 2, 4, 8, 16)
     assert batch_buckets(8) == (1, 2, 4, 8) and batch_buckets(6) == (1, 2, 4, 6) and batch_buckets(1) == (1,)
-    assert batch_buckets(32) == (1, 2, 4, 8, 32)
+    assert batch_buckets(32) == (1, 2, 4, 8, 16, 24, 32) and batch_buckets(20) == (1, 2, 4, 8, 16, 20)
     assert [batch_bucket(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert [batch_bucket(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
-    assert [batch_bucket(n, 32) for n in (8, 9, 31, 32)] == [8, 32, 32, 32]
+    assert [batch_bucket(n, 32) for n in (8, 9, 17, 25, 32)] == [8, 16, 24, 32, 32]
 
 
 def _pair_of_backends(world, max_batch=4):

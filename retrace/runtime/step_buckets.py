@@ -3,8 +3,8 @@
 A CUDA graph replays fixed shapes and fixed storage, so a captured step must see a handful of shapes, not
 one per (batch, verify width, past length). Every call of the static-shape path is padded to a bucket
 (docs/static-cache.md, "Captured steps"):
-- rows N: up to the next of BATCH_BUCKETS (and max_batch itself); padded rows use a scratch slot, one cache
-  row past the real ones, that no real request owns;
+- rows N: up to the next of 1, 2, 4, then the multiples of 8, and max_batch itself (vLLM's capture sizes);
+  padded rows use a scratch slot, one cache row past the real ones, that no real request owns;
 - the target's verify width T: up to the next of VERIFY_WIDTHS (1: plain decoding, 2-16: a chain of K + 1
   or a tree); wider calls (prefill) run unpadded, eagerly;
 - the drafter's context C: up to the block size B (a round's context is 1 + accepted <= B; more after
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 16)  # the target's padded verify widths (K + 1 for K in 0..15, trees <= 16 nodes)
-BATCH_BUCKETS = (1, 2, 4, 8)  # padded row counts (with max_batch itself)
+SMALL_BATCHES, BATCH_STEP = (1, 2, 4), 8  # padded row counts: these, then multiples of 8 (and max_batch)
 SCRATCH_COLUMNS = VERIFY_WIDTHS[-1]  # target cache columns past max_seq_len that padded columns write to
 
 
@@ -43,7 +43,8 @@ def verify_width(T: int) -> int | None:
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    return tuple(sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch}))
+    sizes = {*SMALL_BATCHES, *range(BATCH_STEP, max_batch, BATCH_STEP)}
+    return tuple(sorted({b for b in sizes if b < max_batch} | {max_batch}))
 
 
 def batch_bucket(N: int, max_batch: int) -> int:
