@@ -8,7 +8,7 @@ run eagerly on the CPU: what a CUDA graph per bucket replays on a GPU.
   step's (relative 1e-5; the same argmax), and the caches' real rows and columns hold the same K/V
   (padding writes only the scratch slot and the scratch columns).
 - Token-exact against transformers' greedy decode through the padded path: ar, dflash, retrace at batch
-  1, 3 and 8 with accepted drafts (an oracle drafter), 8 requests joining and leaving 3 slots, the adaptive
+  1 and 8 with accepted drafts (an oracle drafter), 8 requests joining and leaving 3 slots, the adaptive
   policy (K varies), and tree rounds.
 - The CUDA-graph layer without CUDA: it refuses to be built, the option refuses clearly, and a capture that
   fails (here: CUDA calls on a CPU-only torch) warns once and falls back to the eager padded step.
@@ -134,7 +134,7 @@ def _runtime(world, max_batch=8, oracle=True, **opts):
     return Runtime(be, None, RuntimeOptions(**opts))
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 8])
 def test_padded_steps_are_token_exact(world, batch):
     _, _, prompts, greedy = world
     want = [g[:MAX_NEW] for g in greedy[:batch]]

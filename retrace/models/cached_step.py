@@ -150,8 +150,13 @@ def _target_layers(target, rope: RopeTable, input_ids, positions, kv, mask, logi
 
 
 def lm_head_rows(target, h: torch.Tensor) -> torch.Tensor:
-    """The target's LM head on the gathered rows h [N, K, d], in the model's dtype."""
-    return torch.nn.functional.linear(h, target.lm_head.weight)
+    """The target's LM head on the gathered rows h [N, K, d], in the model's dtype. Compiled for the CPU, one
+    row (plain decoding at batch 1) is a multiply-and-sum that inductor fuses into one pass over the table:
+    a streaming read, ~2x faster there than the BLAS matrix-vector product (docs/static-cache.md)."""
+    weight = target.lm_head.weight
+    if torch.compiler.is_compiling() and h.device.type == "cpu" and h.shape[0] * h.shape[1] == 1:
+        return (h.unsqueeze(-2) * weight).sum(-1)
+    return torch.nn.functional.linear(h, weight)
 
 
 def draft_step(drafter, rope: RopeTable, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor,
