@@ -174,6 +174,10 @@ def test_cuda_graphs_refused_without_cuda(world):
     rt = Runtime.from_dirs(*world[:2], max_batch=2, max_seq_len=64)  # the default on the CPU: unpadded, eager
     assert isinstance(rt.backend.runner, EagerSteps) and not rt.backend.static_shapes
     assert rt.backend.tcache.k[0].shape[0] == 2  # no scratch slot without static shapes
+    from retrace.runtime.torch_concat import ConcatTorchBackend  # training's dense past has no padded steps
+
+    with pytest.raises(RetraceError, match="ConcatTorchBackend has no padded steps"):
+        ConcatTorchBackend(*load_pair(*world[:2]), max_batch=2, max_seq_len=64, static_shapes=True)
     assert options_from_flags({"no_cuda_graphs": True}).cuda_graphs is False
     assert options_from_flags({"no_cuda_graphs": False}).cuda_graphs is None  # the backend's default
 

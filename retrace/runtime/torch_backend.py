@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from retrace.errors import RetraceError
 from retrace.models.cached_step import RopeTable, draft_step, slot_draft_step, slot_target_step, target_step
 from retrace.models.drafter import DFlashDrafter, SuffixInputs, load_pair
 from retrace.models.target import Qwen3Target
@@ -84,6 +85,7 @@ def window_width(need: int, length: int) -> int:
 
 class TorchBackend:
     name = "torch"
+    padded_steps = True  # the slot-index steps exist (runtime/step_buckets.py); a subclass without them: False
 
     def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int = 8,
                  max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str | None = None,
@@ -106,7 +108,9 @@ class TorchBackend:
         self.max_seq_len = max_seq_len
         self.dtype = target.lm_head.weight.dtype
         self.compiled = compile
-        self.runner = steps_runner(self.device, cuda_graphs)
+        if not self.padded_steps and (cuda_graphs or static_shapes):
+            raise RetraceError(f"{type(self).__name__} has no padded steps (no static shapes, no CUDA graphs)")
+        self.runner = steps_runner(self.device, cuda_graphs if self.padded_steps else False)
         self.static_shapes = isinstance(self.runner, CUDAGraphSteps) if static_shapes is None else static_shapes
         # static shapes: one scratch slot (row max_batch) for padded rows, scratch columns for padded columns
         slots, extra = (max_batch + 1, SCRATCH_COLUMNS) if self.static_shapes else (max_batch, 0)

@@ -25,6 +25,8 @@ def _longest_past(positions: torch.Tensor) -> int:
 
 
 class ConcatTorchBackend(TorchBackend):
+    padded_steps = False  # the dense past: no static shapes, so no CUDA graphs on any device
+
     def _steps(self, target: Qwen3Target, drafter: DFlashDrafter | None):
         return target, drafter, 0
 
