@@ -116,3 +116,19 @@ def test_shared_head_is_not_merged(unfused, tmp_path):
     fused, _ = _fused(paths["target"], tmp_path, merge_parallel_nbits)
     m = onnx.load(str(fused), load_external_data=False)
     assert any(n.input[1].endswith("lm_head.weight.T_Q4") for n in m.graph.node if n.op_type == "MatMulNBits")
+
+
+def test_int8_target_fusions_keep_the_logits(tmp_path, one_thread):
+    """The same fusions on an int8 graph (8-bit blocks concatenate along N the same way)."""
+    built = pair_and_bundle()
+    shutil.copytree(built.bundle / "target", tmp_path / "target")
+    path = tmp_path / "target" / "model.onnx"
+    quantize_graph(path, WeightQuant("int8", 16, fuse=False))
+    target, _ = load_pair(built.target, built.drafter)
+    fused, counts = _fused(path, tmp_path, None)
+    L = target.config.num_hidden_layers
+    assert counts == {"merge_parallel_nbits": 2 * L, "fuse_skip_rms_norm": 2 * L}
+    names, args = _target_feeds(target, False)
+    ref, got = _run(path, names, args, ["logits"])[0], _run(fused, names, args, ["logits"])[0]
+    assert np.abs(got - ref).max() <= TOL * float(np.abs(ref).max())
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
