@@ -49,8 +49,8 @@ def merge_parallel_nbits(model) -> int:
         if n.op_type != "MatMulNBits" or n.domain != "com.microsoft" or len(n.input) != 3:
             continue
         a = _attrs(n)
-        if any(w not in inits or uses[w] != 1 for w in n.input[1:]) or "N" not in a:
-            continue  # a weight another node reads (a shared head) stays as it is
+        if any(w not in inits or uses[w] != 1 or "lm_head" in w for w in n.input[1:]) or "N" not in a:
+            continue  # the LM head (the drafter shares its bytes) and a weight another node reads stay
         groups[(n.input[0], *(a.get(k) for k in NBITS_KEYS))].append(n)
     merged = 0
     for (act, *_), nodes in groups.items():
