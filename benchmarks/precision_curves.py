@@ -5,6 +5,8 @@ onnxruntime-genai int4 / int8 and llama.cpp Q4_K_M / Q8_0 (not a test).
         [--genai int4 --genai int8] [--gguf q4_k_m=F.gguf] [--threads 2] [--rounds 3] [--context 128]
         [--tokens 1,2,4,8,16] [--batches 1,4] [--cache-dir D] [--json F]
 
+`--bundle NAME=DIR@KEY=VALUE[@KEY=VALUE]`: ONNX Runtime session config entries for that system's sessions
+(e.g. `@session.intra_op.allow_spinning=1@session.force_spinning_stop=1`).
 Every system lives in its own worker process (its peak RSS is that process's ru_maxrss after its load and
 all its measurements); the rounds interleave the systems, each figure is the median over rounds of the
 median of `--steps` calls in a round.
@@ -46,8 +48,10 @@ class Ours:
         from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
         self.torch = torch
+        bundle, *opts = bundle.split("@")  # NAME=DIR@KEY=VALUE...: session config entries for this system
         self.be = OnnxRuntimeBackend.from_bundle(bundle, max_batch=max_batch, threads=threads, verify=False,
-                                                 max_seq_len=max_len)
+                                                 max_seq_len=max_len,
+                                                 session_options=dict(o.split("=", 1) for o in opts) or None)
         self.be.tcache.kv.normal_(0, 1)
         self.vocab = self.be.target_config.vocab_size
 

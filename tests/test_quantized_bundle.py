@@ -65,6 +65,9 @@ def test_manifest_records_the_quantization(qbundle):
         assert q["graphs"][name]["lm_head"].endswith("lm_head.weight.T")
         assert all({a.name: a.i for a in n.attribute}["block_size"] == 16 for n in nbits)
         assert m["graphs"][name]["ops"]["MatMulNBits"] == len(nbits)
+        fused = q["graphs"][name]["fusions"]  # retrace.export.nbits_fusions ran on both graphs
+        assert m["graphs"][name]["ops"].get("SkipSimplifiedLayerNormalization", 0) == fused["fuse_skip_rms_norm"]
+    assert q["graphs"]["target"]["fusions"] == {"merge_parallel_nbits": 4, "fuse_skip_rms_norm": 4}  # 2 layers
     proto = onnx.load(str(bundle / "drafter" / "model.onnx"), load_external_data=False)
     assert [n.op_type for n in proto.graph.node].count("GatedSuffixFusion") == 1  # the custom node survives
     # the drafter's quantized LM head is the target's, byte for byte: one mapped copy for both sessions

@@ -16,6 +16,8 @@ the head quantizes to the same bytes as the target's (`shared_target.<name>.T_Q4
 .T_Q4`), so retrace.runtime.shared_weights still maps one copy for both sessions and, for a large head,
 retrace.runtime.lm_head_split runs it in one session of its own (retrace.runtime.lm_head_nbits).
 The drafter's GatedSuffixFusion node is a function call whose weights are function inputs: it stays float.
+Then retrace.export.nbits_fusions merges the parallel MatMulNBits (q/k/v, gate/up) and fuses each residual
+Add + RMSNormalization into ONNX Runtime's SkipSimplifiedLayerNormalization (`fuse=False`: without them).
 
 `agreement` measures the quantized graph against the fp32 model on held-out random prompts (top-1
 agreement and max |logit error|): recorded in the manifest as information, not a gate. Speculative
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from retrace.errors import RetraceError
+from retrace.export.nbits_fusions import fuse_quantized
 
 WEIGHTS = ("fp32", "int8", "int4")
 BITS = {"int4": 4, "int8": 8}
@@ -56,6 +59,7 @@ class WeightQuant:
     block_size: int | None = None
     accuracy_level: int | None = None
     lm_head: bool = True
+    fuse: bool = True  # retrace.export.nbits_fusions after quantizing
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -88,7 +92,7 @@ class WeightQuant:
 
     def manifest(self) -> dict:
         return {"weights": self.weights, "bits": self.bits, "block_size": self.block,
-                "accuracy_level": self.level, "symmetric": True, "lm_head": self.lm_head,
+                "accuracy_level": self.level, "symmetric": True, "lm_head": self.lm_head, "fused": self.fuse,
                 "quantizer": "onnxruntime.quantization.matmul_nbits_quantizer (DEFAULT, RTN)"}
 
 
@@ -150,6 +154,9 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
     nodes = sorted(n.name for n in out.graph.node if n.op_type == "MatMulNBits")
     if not nodes:
         raise QuantizeError(f"{path}: the quantizer found no MatMul with a constant weight to quantize")
+    left = sorted(before - {n[: -len(f"_Q{q.bits}")] for n in nodes})
+    fusions = fuse_quantized(out) if q.fuse else {}
+    nodes = sorted(n.name for n in out.graph.node if n.op_type == "MatMulNBits")
     data = path.with_name(path.name + ".data")
     tmp = path.with_name(path.name + ".quantizing")
     _save(out, tmp, data.name + ".quantizing")
@@ -158,9 +165,8 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
     os.replace(data.with_name(data.name + ".quantizing"), data)
     relocate_external(tmp, data.name)
     os.replace(tmp, path)
-    left = sorted(before - {n[: -len(f"_Q{q.bits}")] for n in nodes})
     return {"nodes": nodes, "float_matmuls": left, "lm_head": f"{head}.T" if head else None,
-            "data_bytes": data.stat().st_size}
+            "fusions": fusions, "data_bytes": data.stat().st_size}
 
 
 def _save(model, path: Path, location: str) -> None:

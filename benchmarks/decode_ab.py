@@ -1,0 +1,83 @@
+"""Batch-1 / batch-N decode step of several int4 / int8 bundles and onnxruntime-genai models in ONE process,
+call by call interleaved (A B C A B C ...), so that a loaded machine slows each system alike (not a test).
+
+    python benchmarks/decode_ab.py --bundle NAME=B1 --bundle NAME=B2[@KEY=VALUE...] [--genai NAME=GENAI_DIR]
+        [--threads 2] [--context 128] [--batch 1] [--calls 200] [--spinning 0|1]
+
+`@KEY=VALUE` after a bundle: an ONNX Runtime session config entry for that system's sessions.
+Prints, per system, the min, the 10th percentile and the median of its step times (ms), and the median
+process CPU time per step (all threads; less sensitive to other load than wall time, but it counts
+spinning: onnxruntime-genai's sessions spin, ours do not unless --spinning 1). Ours: one
+OnnxRuntimeBackend.target call of one new token per row over random caches; onnxruntime-genai:
+generate_next_token after a random prompt of --context tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", action="append", default=[])
+    ap.add_argument("--genai", action="append", default=[])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--spinning", type=int, default=0, help="our sessions' session.intra_op.allow_spinning")
+    args = ap.parse_args(argv)
+    import numpy as np
+    import torch
+
+    from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    steps = {}
+    n, c = args.batch, args.context
+    for spec in args.bundle:
+        name, d = spec.split("=", 1)
+        d, *opts = d.split("@")
+        options = {"session.intra_op.allow_spinning": str(args.spinning)} | dict(o.split("=", 1) for o in opts)
+        be = OnnxRuntimeBackend.from_bundle(d, max_batch=n, threads=args.threads, verify=False,
+                                            max_seq_len=c + 64,
+                                            session_options=options)
+        be.tcache.kv.normal_(0, 1)
+        v = be.target_config.vocab_size
+        steps[name] = (lambda be=be, v=v: be.target(torch.arange(n), torch.randint(0, v // 2, (n, 1)),
+                                                      torch.full((n, 1), c), torch.zeros(n, 1, dtype=torch.int64)))
+    gens = []
+    for spec in args.genai:
+        import onnxruntime_genai as og
+
+        name, d = spec.split("=", 1)
+        model = og.Model(d)
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=c + args.calls + 8, do_sample=False, batch_size=n)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.random.default_rng(0).integers(0, 1000, (n, c), dtype=np.int32))
+        gens.append((model, params, gen))
+        steps[name] = gen.generate_next_token
+    times = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}
+    for k in steps:  # warm-up
+        for _ in range(3):
+            steps[k]()
+    for _ in range(args.calls):
+        for k, f in steps.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    print(f"batch {n}, context {c}, threads {args.threads}, {args.calls} calls each, load {os.getloadavg()[0]:.1f}")
+    for k, ts in times.items():
+        ts = sorted(x * 1e3 for x in ts)
+        print(f"{k:24s} min {ts[0]:7.2f}  p10 {ts[len(ts) // 10]:7.2f}  median {statistics.median(ts):7.2f} ms"
+              f" | process CPU median {statistics.median(cpu[k]) * 1e3:7.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
