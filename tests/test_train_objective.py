@@ -132,3 +132,33 @@ def test_training_with_the_accept_objective_records_it_and_resumes_only_with_it(
     m = train_dflash(target, out, data, DFlashConfig(**base, objective="accept"), resume=True, progress=False)
     assert m["steps"] == 6 and m["objective"] == "accept" and m["config"]["objective"] == "accept"
     assert m["history"][-1]["val_loss"] < m["history"][0]["val_loss"]
+
+
+def test_zoo_recipes_change_only_the_drafter_settings_and_the_shipped_one_is_the_presets():
+    from retrace.errors import RetraceError as Err
+    from retrace.train import zoo
+
+    assert zoo.preset("small") is zoo.PRESETS["small"]  # the shipped zoo's key and release record are unchanged
+    for name, change in zoo.RECIPES.items():
+        got = zoo.preset("small", name)
+        assert {k: v for k, v in got.items() if k != "dflash"} == {k: v for k, v in zoo.PRESETS["small"].items()
+                                                                  if k != "dflash"}
+        assert got["dflash"] == dict(zoo.PRESETS["small"]["dflash"], **change)
+        DFlashConfig(**got["dflash"])  # every recipe is a valid trainer config
+    keys = [zoo.zoo_key("small", 0, zoo.preset("small", n), "portable") for n in zoo.RECIPES]
+    assert all(keys.count(k) == 1 for k in keys)  # each recipe's zoo is its own cache entry
+    with pytest.raises(Err, match="unknown zoo recipe 'best'"):
+        zoo.preset("small", "best")
+
+
+def test_zoo_tiny_installs_only_the_shipped_recipe(tmp_path):
+    from click.testing import CliRunner
+
+    from retrace.cli import main
+    from retrace.train import zoo
+
+    other = next(n for n in zoo.RECIPES if n != zoo.DEFAULT_RECIPE)
+    res = CliRunner().invoke(main, ["zoo", "tiny", "--out", str(tmp_path / "z"), "--recipe", other])
+    assert res.exit_code == 2 and f"--recipe {other}: only the shipped recipe's zoo is installed; add --train" in (
+        res.output)
+    assert not (tmp_path / "z").exists()
