@@ -76,7 +76,10 @@ PRESETS: dict[str, dict] = {
 DEFAULT_RECIPE = "shipped"
 RECIPES: dict[str, dict] = {
     DEFAULT_RECIPE: {},
+    # measured: held-out T=0 pooled tau 3.18 vs 2.27, the zoo's 1000 steps and cost (the recommended recipe)
     "accept": {"objective": "accept"},
+    # measured to 500 of its 1000 steps only: val tau_est 4.42 vs 3.53 for "accept" at step 500
+    "accept-2l": {"objective": "accept", "num_layers": 2, "target_layer_ids": [2]},
 }
 
 
