@@ -30,6 +30,9 @@ _SHARED = {
     "weight_decay": "AdamW weight decay (matrices only)",
     "grad_clip": "gradient-norm clipping",
     "gamma": "loss weight decay exp(-(k-1)/gamma) over the block's slots (default 7 for B=16)",
+    "objective": "slot weights of the loss: decay (exp(-(k-1)/gamma)), accept (the drafter's own probability that "
+                 "the slot is reached), accept-decay (both), first-error (reached and wrong: a focal loss); see "
+                 "retrace.train.objectives",
     "stop_after": "end this run after N more steps (dflash) / phases (conditioner), checkpointed; --resume "
                   "continues",
     "max_train_seconds": "wall-time budget of the training: then finish as if at the last step",
@@ -89,10 +92,7 @@ class _DFlashSettings:  # train dflash's own settings (DFlashConfig: these, then
     weight_decay: float = setting(0.01, _SHARED["weight_decay"])
     grad_clip: float = setting(1.0, _SHARED["grad_clip"])
     gamma: float | None = setting(None, _SHARED["gamma"])
-    objective: str = setting(DEFAULT_OBJECTIVE, "slot weights of the loss: decay (exp(-(k-1)/gamma)), accept (the "
-                                                "drafter's own probability that the slot is reached), accept-decay "
-                                                "(both), first-error (reached and wrong: a focal loss); see "
-                                                "retrace.train.objectives", choices=OBJECTIVES)
+    objective: str = setting(DEFAULT_OBJECTIVE, _SHARED["objective"], choices=OBJECTIVES)
     # bookkeeping
     eval_every: int = setting(200, "validation every N steps (0: at the end only)")
     save_every: int = setting(500, "checkpoint every N steps (0: at the end only)")
@@ -150,6 +150,7 @@ class _ConditionerSettings:  # train conditioner's own settings (ConditionerConf
     stop_after: int | None = setting(None, _SHARED["stop_after"])
     max_train_seconds: float | None = setting(None, "wall-time budget of rollouts + training: later steps and phases "
                                                     "are dropped", cli=False)
+    objective: str = setting(DEFAULT_OBJECTIVE, _SHARED["objective"], choices=OBJECTIVES)
 
 
 @dataclass
@@ -159,6 +160,8 @@ class ConditionerConfig(_RunSettings, _ConditionerSettings):
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rollout_temperatures"] = list(self.rollout_temperatures)
+        if d["objective"] == DEFAULT_OBJECTIVE:
+            d.pop("objective")  # the record of a default run is the one from before the option existed
         return d
 
 
