@@ -36,15 +36,6 @@ def target_at(shape: str, taps: tuple[int, ...]) -> Qwen3Target:
     return t.eval().requires_grad_(False)
 
 
-def _ms(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
@@ -90,7 +81,9 @@ def main() -> None:
             fn()  # warm-up
         for _ in range(a.reps):  # interleaved
             for k, fn in calls.items():
-                times[k] += _ms(fn, 1)
+                t0 = time.perf_counter()
+                fn()
+                times[k].append((time.perf_counter() - t0) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     dec = med["decode"]
     rows = {}
