@@ -14,7 +14,7 @@ from helpers import write_target
 from retrace.errors import RetraceError
 from retrace.train import blocks as bl
 from retrace.train import objectives as ob
-from retrace.train.config import DFlashConfig
+from retrace.train.config import ConditionerConfig, DFlashConfig
 from retrace.train.dflash import train_dflash
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,8 +111,9 @@ def test_the_default_objective_is_todays_loss_bit_for_bit():
 
 
 def test_a_default_run_records_no_objective_and_another_is_recorded():
-    assert "objective" not in DFlashConfig().to_dict()
-    assert DFlashConfig(objective="accept").to_dict()["objective"] == "accept"
+    for config in (DFlashConfig, ConditionerConfig):
+        assert "objective" not in config().to_dict()
+        assert config(objective="accept").to_dict()["objective"] == "accept"
 
 
 def test_training_with_the_accept_objective_records_it_and_resumes_only_with_it(tmp_path):
