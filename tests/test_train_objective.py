@@ -135,17 +135,18 @@ def test_training_with_the_accept_objective_records_it_and_resumes_only_with_it(
     assert m["history"][-1]["val_loss"] < m["history"][0]["val_loss"]
 
 
-def test_zoo_recipes_change_only_the_drafter_settings_and_the_shipped_one_is_the_presets():
+def test_zoo_recipes_change_only_the_trainers_settings_and_the_shipped_one_is_the_presets():
     from retrace.errors import RetraceError as Err
     from retrace.train import zoo
 
     assert zoo.preset("small") is zoo.PRESETS["small"]  # the shipped zoo's key and release record are unchanged
     for name, change in zoo.RECIPES.items():
         got = zoo.preset("small", name)
-        assert {k: v for k, v in got.items() if k != "dflash"} == {k: v for k, v in zoo.PRESETS["small"].items()
-                                                                  if k != "dflash"}
-        assert got["dflash"] == dict(zoo.PRESETS["small"]["dflash"], **change)
-        DFlashConfig(**got["dflash"])  # every recipe is a valid trainer config
+        assert set(change) <= {"dflash", "conditioner"} and got["eval"] == zoo.PRESETS["small"]["eval"]
+        for stage in ("dflash", "conditioner"):
+            assert got[stage] == dict(zoo.PRESETS["small"][stage], **change.get(stage, {}))
+        DFlashConfig(**got["dflash"])  # every recipe is valid trainer configs
+        ConditionerConfig(**got["conditioner"])
     keys = [zoo.zoo_key("small", 0, zoo.preset("small", n), "portable") for n in zoo.RECIPES]
     assert all(keys.count(k) == 1 for k in keys)  # each recipe's zoo is its own cache entry
     with pytest.raises(Err, match="unknown zoo recipe 'best'"):

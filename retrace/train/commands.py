@@ -158,8 +158,8 @@ def zoo() -> None:
               help="train the pair from scratch (25-50 CPU-minutes for small) instead of installing the trained "
                    "zoo that ships with retrace (small, seed 0: hash-checked, seconds)")
 @click.option("--recipe", type=click.Choice(list(ZOO_RECIPES)), default=ZOO_RECIPE, show_default=True,
-              help="the drafter's training recipe (retrace.train.zoo.RECIPES; another than the shipped one needs "
-                   "--train)")
+              help="the training recipe of the drafter and conditioner (retrace.train.zoo.RECIPES; another than the "
+                   "shipped one needs --train)")
 @click.option("--quiet", is_flag=True)
 @cli_errors
 def zoo_tiny(out_dir, size, seed, force, threads, numerics, train_, recipe, quiet) -> None:

@@ -69,17 +69,18 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# Drafter recipes: changes of a size's "dflash" settings, chosen by `retrace zoo tiny --train --recipe NAME`.
-# "shipped" is the recipe of the shipped zoo (retrace/train/shipped/, pinned by its release record): making
-# another one the default means moving its settings into PRESETS and re-releasing (`make zoo-release`).
-# See docs/training-objective.md for the measurements behind each.
+# Drafter recipes: changes of a size's "dflash" and "conditioner" settings, chosen by `retrace zoo tiny --train
+# --recipe NAME`. "shipped" is the recipe of the shipped zoo (retrace/train/shipped/, pinned by its release
+# record): making another one the default means moving its settings into PRESETS and re-releasing (`make
+# zoo-release`). The measurements behind each: docs/training-objective.md.
 DEFAULT_RECIPE = "shipped"
-RECIPES: dict[str, dict] = {
+_ACCEPT = {"objective": "accept"}
+RECIPES: dict[str, dict[str, dict]] = {
     DEFAULT_RECIPE: {},
-    # measured: held-out T=0 pooled tau 3.18 vs 2.27, the zoo's 1000 steps and cost (the recommended recipe)
-    "accept": {"objective": "accept"},
+    # measured: held-out T=0 pooled tau 3.18 vs 2.27 at the zoo's 1000 steps and cost (the recommended recipe)
+    "accept": {"dflash": _ACCEPT, "conditioner": _ACCEPT},
     # measured to 500 of its 1000 steps only: val tau_est 4.42 vs 3.53 for "accept" at step 500
-    "accept-2l": {"objective": "accept", "num_layers": 2, "target_layer_ids": [2]},
+    "accept-2l": {"dflash": dict(_ACCEPT, num_layers=2, target_layer_ids=[2]), "conditioner": _ACCEPT},
 }
 
 
@@ -91,7 +92,7 @@ def preset(size: str, recipe: str = DEFAULT_RECIPE) -> dict:
         raise RetraceError(f"unknown zoo recipe {recipe!r} (choose from {', '.join(RECIPES)})")
     if not RECIPES[recipe]:
         return PRESETS[size]
-    return dict(PRESETS[size], dflash=dict(PRESETS[size]["dflash"], **RECIPES[recipe]))
+    return {stage: dict(s, **RECIPES[recipe].get(stage, {})) for stage, s in PRESETS[size].items()}
 
 
 def _versions() -> dict:
@@ -331,7 +332,7 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
                          "interleaved": True},
     }
     if recipe != DEFAULT_RECIPE:
-        man["recipe"] = {"name": recipe, "dflash": RECIPES[recipe]}
+        man["recipe"] = {"name": recipe, **RECIPES[recipe]}
     if not lossless:
         raise RetraceError("zoo check failed: greedy retrace output differs from the target's own greedy output")
     (tmp / MANIFEST).write_text(json.dumps(man, indent=2, ensure_ascii=False) + "\n")
