@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from retrace.models.drafter import DFlashDrafter
 from retrace.models.layers import rope_cos_sin
+from retrace.train import objectives
 
 IGNORE = -100
 
@@ -98,11 +99,13 @@ def block_forward(drafter: DFlashDrafter, taps: torch.Tensor, anchor_pos: torch.
 
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                block_weight: torch.Tensor | None = None,
-               target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+               target_logits: torch.Tensor | None = None,
+               objective: str = objectives.DEFAULT) -> tuple[torch.Tensor, dict]:
     """Weighted cross-entropy over slots 1..B-1. logits [N, nb, B-1, V], labels [N, nb, B-1] (IGNORE = none),
     weights [B-1], block_weight [N, nb] (0 drops a padding block). With target_logits [N, nb, B-1, V] (the
     target's own distribution for each slot's token) the per-slot loss is KL(target || drafter) instead: soft
-    labels that calibrate the drafter's proposal for sampling. Returns (loss, sums for logging): `acc_len`
+    labels that calibrate the drafter's proposal for sampling. `objective` sets the slots' weights
+    (retrace.train.objectives; the default: `weights` alone). Returns (loss, sums for logging): `acc_len`
     counts, per block with all labels present, the leading slots whose argmax is the label (the greedy
     accepted length if the labels are the target's greedy continuation)."""
     V = logits.shape[-1]
@@ -116,7 +119,13 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     present = (labels != IGNORE).float()
     if block_weight is not None:
         present = present * block_weight.unsqueeze(-1).float()
-    w = weights.view(1, 1, -1) * present
+    label_logp = None
+    if objective != objectives.DEFAULT:
+        if target_logits is None:
+            label_logp = -per_slot.detach()
+        else:
+            label_logp = logits.detach().float().log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1))[..., 0]
+    w = objectives.slot_weights(objective, weights, present, label_logp)
     wsum = w.sum()
     loss = (per_slot * w).sum() / wsum.clamp_min(1e-8)
     with torch.no_grad():

@@ -15,6 +15,8 @@ from retrace.cli_errors import cli_errors
 from retrace.cli_options import runtime_flags
 from retrace.train.config import ConditionerConfig, DFlashConfig, DraftArConfig
 from retrace.train.options import click_options, from_options
+from retrace.train.zoo import DEFAULT_RECIPE as ZOO_RECIPE
+from retrace.train.zoo import RECIPES as ZOO_RECIPES
 
 
 def _run_options(fn):
@@ -155,30 +157,37 @@ def zoo() -> None:
 @click.option("--train", "train_", is_flag=True,
               help="train the pair from scratch (25-50 CPU-minutes for small) instead of installing the trained "
                    "zoo that ships with retrace (small, seed 0: hash-checked, seconds)")
+@click.option("--recipe", type=click.Choice(list(ZOO_RECIPES)), default=ZOO_RECIPE, show_default=True,
+              help="the training recipe of the drafter and conditioner (retrace.train.zoo.RECIPES; another than the "
+                   "shipped one needs --train)")
 @click.option("--quiet", is_flag=True)
 @cli_errors
-def zoo_tiny(out_dir, size, seed, force, threads, numerics, train_, quiet) -> None:
+def zoo_tiny(out_dir, size, seed, force, threads, numerics, train_, recipe, quiet) -> None:
     """The tiny target + DFlash drafter + ReTrace conditioner: the shipped pair, or trained offline,
     deterministically (cached)."""
     from retrace.train import numerics as numerics_mod
     from retrace.train import zoo_release
     from retrace.train.zoo import build_zoo, preflight
 
+    if recipe != ZOO_RECIPE and not train_:
+        raise click.UsageError(f"--recipe {recipe}: only the shipped recipe's zoo is installed; add --train")
     if not train_ and numerics == "portable" and zoo_release.shipped(size, seed) is not None:
         man = zoo_release.install(out_dir, size, seed, force=force, progress=not quiet)
     elif numerics == "portable" and numerics_mod.mode() != "portable":  # MKL/ATen read it at start: a child
-        man = preflight(out_dir, size, seed, force, not quiet, numerics_mode="portable")  # errors, cache hits here
+        man = preflight(out_dir, size, seed, force, not quiet, numerics_mode="portable",  # errors, cache hits
+                        recipe=recipe)
         if man is None:
             args = ["zoo", "tiny", "--out", out_dir, "--size", size, "--seed", str(seed), "--numerics", "portable"]
             args += (["--force"] if force else []) + (["--threads", str(threads)] if threads else [])
-            args += ["--train"] if train_ else []
+            args += (["--train"] if train_ else []) + ["--recipe", recipe]
             code, out = numerics_mod.run_portable(args + (["--quiet"] if quiet else []))
             click.echo(out, nl=False)
             if code:
                 raise SystemExit(code)
             return
     else:
-        man = build_zoo(out_dir, size=size, seed=seed, force=force, progress=not quiet, threads=threads)
+        man = build_zoo(out_dir, size=size, seed=seed, force=force, progress=not quiet, threads=threads,
+                        recipe=recipe)
     m = man["metrics"]
     how = "cache hit" if man.get("cached") else "installed the shipped zoo" if man.get("release") else "built"
     click.echo(f"{how}: {out_dir} (size {size}, seed {seed})")

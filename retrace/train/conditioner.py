@@ -111,16 +111,18 @@ def pick_rounds(ex: Examples, idx: list[int], nb: int, gen: torch.Generator | No
     return out
 
 
-def block_losses(drafter, ex: Examples, idx, picks, B, weights, device, bf16, with_baseline: bool, model=None):
+def block_losses(drafter, ex: Examples, idx, picks, B, weights, device, bf16, with_baseline: bool, model=None,
+                 objective: str = bl.objectives.DEFAULT):
     """(loss with the conditioner, stats, baseline stats or None, mean gate on valid slots); `model`: the
-    DDP/FSDP-wrapped BlockModel that takes the gradients under torchrun."""
+    DDP/FSDP-wrapped BlockModel that takes the gradients under torchrun; `objective`: the trained loss's slot
+    weights (retrace.train.objectives; the stats' tau_est and top-1 do not depend on it)."""
     taps, block_ids, labels, anchors, bw, suffix = collate(ex, idx, picks, B, device, drafter.config.mask_token_id)
     with cm.autocast(device, bf16):
         if model is not None:
             _, logits = model(taps, anchors, block_ids, suffix)
         else:
             _, logits = bl.block_forward(drafter, taps, anchors, block_ids, suffix)
-    loss, st = bl.block_loss(logits, labels, weights, bw)
+    loss, st = bl.block_loss(logits, labels, weights, bw, objective=objective)
     base = None
     with torch.no_grad():
         if with_baseline:
@@ -446,7 +448,7 @@ class _PhaseSteps:
         idx = [self.use[i] for i in self.sampler.take(self.cfg.batch_size)]
         picks = pick_rounds(self.ex, idx, self.cfg.blocks_per_seq, self.rgen)
         loss, stats, base, (g, w) = block_losses(self.drafter, self.ex, idx, picks, self.B, self.weights, self.device,
-                                                 self.bf16, st.steps_run % 4 == 0, self.model)
+                                                 self.bf16, st.steps_run % 4 == 0, self.model, self.cfg.objective)
         backward(loss)
         bl.merge_stats(self.tot, stats)
         if base is not None:

@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass
 
 from retrace.train.options import setting
 
+# the drafter objectives (retrace.train.objectives), named here so that the CLI needs no torch
+OBJECTIVES = ("decay", "accept", "accept-decay", "first-error")
+DEFAULT_OBJECTIVE = "decay"
+
 # the settings the drafter and the conditioner trainers share: one meaning, each trainer its own default
 _SHARED = {
     "num_prompts": "use only the first N prompts",
@@ -26,6 +30,9 @@ _SHARED = {
     "weight_decay": "AdamW weight decay (matrices only)",
     "grad_clip": "gradient-norm clipping",
     "gamma": "loss weight decay exp(-(k-1)/gamma) over the block's slots (default 7 for B=16)",
+    "objective": "slot weights of the loss: decay (exp(-(k-1)/gamma)), accept (the drafter's own probability that "
+                 "the slot is reached), accept-decay (both), first-error (reached and wrong: a focal loss); see "
+                 "retrace.train.objectives",
     "stop_after": "end this run after N more steps (dflash) / phases (conditioner), checkpointed; --resume "
                   "continues",
     "max_train_seconds": "wall-time budget of the training: then finish as if at the last step",
@@ -85,6 +92,7 @@ class _DFlashSettings:  # train dflash's own settings (DFlashConfig: these, then
     weight_decay: float = setting(0.01, _SHARED["weight_decay"])
     grad_clip: float = setting(1.0, _SHARED["grad_clip"])
     gamma: float | None = setting(None, _SHARED["gamma"])
+    objective: str = setting(DEFAULT_OBJECTIVE, _SHARED["objective"], choices=OBJECTIVES)
     # bookkeeping
     eval_every: int = setting(200, "validation every N steps (0: at the end only)")
     save_every: int = setting(500, "checkpoint every N steps (0: at the end only)")
@@ -101,7 +109,10 @@ class DFlashConfig(_RunSettings, _DFlashSettings):
     """`retrace train dflash`: distil a DFlash drafter from a frozen target on the target's own responses."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["objective"] == DEFAULT_OBJECTIVE:
+            d.pop("objective")  # the record of a default run is the one from before the option existed
+        return d
 
 
 @dataclass
@@ -139,6 +150,7 @@ class _ConditionerSettings:  # train conditioner's own settings (ConditionerConf
     stop_after: int | None = setting(None, _SHARED["stop_after"])
     max_train_seconds: float | None = setting(None, "wall-time budget of rollouts + training: later steps and phases "
                                                     "are dropped", cli=False)
+    objective: str = setting(DEFAULT_OBJECTIVE, _SHARED["objective"], choices=OBJECTIVES)
 
 
 @dataclass
@@ -148,6 +160,8 @@ class ConditionerConfig(_RunSettings, _ConditionerSettings):
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rollout_temperatures"] = list(self.rollout_temperatures)
+        if d["objective"] == DEFAULT_OBJECTIVE:
+            d.pop("objective")  # the record of a default run is the one from before the option existed
         return d
 
 

@@ -5,7 +5,8 @@ a validation split of the prompts is held out of training (never the evaluation 
 `batch_size` sequences, draws `blocks_per_seq` random anchors in each response, and trains all blocks of
 a sequence in one drafter forward (`blocks.block_forward`: context K/V once per sequence from the target
 taps, each block sees the context before its anchor and itself). Loss: cross-entropy on slots 1..B-1 with
-weights exp(-(k-1)/gamma), labels = the target's own continuation. The target's embedding and LM head are
+weights exp(-(k-1)/gamma) (or another --objective: retrace.train.objectives), labels = the target's own
+continuation. The target's embedding and LM head are
 shared and frozen (so the never-trained MASK row cannot decay; its norm is checked, as a near-zero MASK
 embedding makes all block slots identical). Writes the z-lab checkpoint format.
 """
@@ -138,7 +139,7 @@ def _batch_forward(drafter, target, data: _Data, idx, anchors, bw, cfg, device, 
             _, logits = model(taps, anchors, block_ids)
         else:
             _, logits = bl.block_forward(drafter, taps, anchors, block_ids)
-    return bl.block_loss(logits, labels, weights, bw, soft)
+    return bl.block_loss(logits, labels, weights, bw, soft, cfg.objective)
 
 
 def evaluate_blocks(drafter, target, data: _Data, anchors, cfg, device, weights, bf16, items=None,
@@ -361,6 +362,7 @@ def _train_dflash(target_dir: Path, out: Path, data: Path, cfg: DFlashConfig, re
         "val": last_eval, "val_runtime_tau": tau, "history": history, "mask_row": mask_info,
         "drafter_params": sum(p.numel() for p in params.values()), "target_layer_ids": list(dconf.target_layer_ids),
         "block_size": cfg.block_size, "num_layers": cfg.num_layers, "init": cfg.init, "gamma": gamma,
+        "objective": cfg.objective,
         "timed_out": timed_out, "world_size": d.world, "fsdp": fs.is_sharded(model),
         "global_batch": cfg.batch_size * A * d.world,
         "train_sequences": len(tr_idx), "val_sequences": len(va_idx),

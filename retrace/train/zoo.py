@@ -69,6 +69,32 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# Drafter recipes: changes of a size's "dflash" and "conditioner" settings, chosen by `retrace zoo tiny --train
+# --recipe NAME`. "shipped" is the recipe of the shipped zoo (retrace/train/shipped/, pinned by its release
+# record): making another one the default means moving its settings into PRESETS and re-releasing (`make
+# zoo-release`). The measurements behind each: docs/training-objective.md.
+DEFAULT_RECIPE = "shipped"
+_ACCEPT = {"objective": "accept"}
+RECIPES: dict[str, dict[str, dict]] = {
+    DEFAULT_RECIPE: {},
+    # measured: held-out T=0 pooled tau 3.18 vs 2.27 at the zoo's 1000 steps and cost (the recommended recipe)
+    "accept": {"dflash": _ACCEPT, "conditioner": _ACCEPT},
+    # measured to 500 of its 1000 steps only: val tau_est 4.42 vs 3.53 for "accept" at step 500
+    "accept-2l": {"dflash": dict(_ACCEPT, num_layers=2, target_layer_ids=[2]), "conditioner": _ACCEPT},
+}
+
+
+def preset(size: str, recipe: str = DEFAULT_RECIPE) -> dict:
+    """The settings of a zoo of this size built by this drafter recipe (the shipped one: PRESETS[size])."""
+    if size not in PRESETS:
+        raise RetraceError(f"unknown zoo size {size!r} (choose from {', '.join(PRESETS)})")
+    if recipe not in RECIPES:
+        raise RetraceError(f"unknown zoo recipe {recipe!r} (choose from {', '.join(RECIPES)})")
+    if not RECIPES[recipe]:
+        return PRESETS[size]
+    return {stage: dict(s, **RECIPES[recipe].get(stage, {})) for stage, s in PRESETS[size].items()}
+
+
 def _versions() -> dict:
     import tokenizers
     import torch
@@ -103,10 +129,10 @@ def read_manifest(out: str | Path) -> dict | None:
 
 
 def cached_manifest(out: str | Path, size: str = "small", seed: int = 0,
-                    numerics_mode: str | None = None) -> dict | None:
+                    numerics_mode: str | None = None, recipe: str = DEFAULT_RECIPE) -> dict | None:
     out = Path(out)
     man = read_manifest(out)
-    if man is None or man.get("key") != zoo_key(size, seed, PRESETS[size], numerics_mode):
+    if man is None or man.get("key") != zoo_key(size, seed, preset(size, recipe), numerics_mode):
         return None
     if not all((out / f).is_file() for f in REQUIRED):
         return None
@@ -127,17 +153,17 @@ def _log(progress: bool, msg: str) -> None:
 
 
 def build_zoo(out: str | Path, size: str = "small", seed: int = 0, force: bool = False, progress: bool = True,
-              threads: int | None = None) -> dict:
+              threads: int | None = None, recipe: str = DEFAULT_RECIPE) -> dict:
     """Build (or reuse) the tiny zoo in `out`; returns the manifest (with "cached": True on a cache hit)."""
     out = Path(out).absolute()
-    man = preflight(out, size, seed, force, progress)
+    man = preflight(out, size, seed, force, progress, recipe=recipe)
     if man is not None:
         return man
     from retrace.train import numerics
 
     try:
         with staged_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") as tmp, numerics.deterministic():
-            man = _build(out, tmp, size, seed, force, progress, threads)
+            man = _build(out, tmp, size, seed, force, progress, threads, recipe)
     except BaseException:
         if target_stash(out).is_dir():
             _log(True, f"kept the finished target stage in {target_stash(out)}: the next run with the same "
@@ -169,14 +195,13 @@ def _stash_target(tmp: Path, out: Path) -> None:
 
 
 def preflight(out: str | Path, size: str, seed: int, force: bool, progress: bool = True,
-              numerics_mode: str | None = None) -> dict | None:
+              numerics_mode: str | None = None, recipe: str = DEFAULT_RECIPE) -> dict | None:
     """What build_zoo checks before building: the size, and that `out` may hold this zoo (errors name the
     problem). -> the manifest (with "cached": True) when `out` already holds exactly this zoo, else None."""
-    if size not in PRESETS:
-        raise RetraceError(f"unknown zoo size {size!r} (choose from {', '.join(PRESETS)})")
+    preset(size, recipe)  # names an unknown size or recipe
     out = Path(out).absolute()
     if check_output(out, KIND, force=True, legacy=is_legacy_zoo, what="zoo") and not force:
-        man = cached_manifest(out, size, seed, numerics_mode)
+        man = cached_manifest(out, size, seed, numerics_mode, recipe)
         if man is not None:
             _log(progress, f"cache hit: {out / MANIFEST}")
             return dict(man, cached=True)
@@ -194,7 +219,8 @@ def refuse_other_zoo(out: Path, size: str, seed: int) -> None:
                              f"--force to replace it with size {size!r}, seed {seed} (or choose another --out)")
 
 
-def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bool, threads: int | None) -> dict:
+def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bool, threads: int | None,
+           recipe: str = DEFAULT_RECIPE) -> dict:
     import torch
 
     from retrace.models.drafter import load_pair
@@ -208,8 +234,8 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
     from retrace.train.evaluate import tau_worker
     from retrace.train.rollout import make_backend, run_requests
 
-    preset = PRESETS[size]
-    key = zoo_key(size, seed, preset)
+    settings = preset(size, recipe)
+    key = zoo_key(size, seed, settings)
     t_all = time.perf_counter()
     cpu_all = time.process_time()
     timings: dict[str, float] = {}
@@ -231,13 +257,13 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
         # renders them to the very same tokens as the plain prompts (outputs and zoo key unchanged)
         tok_mod.ensure_chat_template(tmp / "target")  # a cached target stage may predate the template
         data = prompts_mod.write_chat_jsonl(tmp / "data" / "train_prompts.jsonl", tmp / "data" / "train_chat.jsonl")
-        dcfg = DFlashConfig(seed=seed, device="cpu", threads=1, chat=True, **preset["dflash"])
+        dcfg = DFlashConfig(seed=seed, device="cpu", threads=1, chat=True, **settings["dflash"])
         dm = train_dflash(tmp / "target", tmp / "drafter", data, dcfg, progress=progress)
         timings["drafter_s"] = round(time.perf_counter() - t0, 2)
 
         # 3. ReTrace conditioner (on-policy)
         t0 = time.perf_counter()
-        ccfg = ConditionerConfig(seed=seed, device="cpu", threads=1, chat=True, **preset["conditioner"])
+        ccfg = ConditionerConfig(seed=seed, device="cpu", threads=1, chat=True, **settings["conditioner"])
         cmet = train_conditioner(tmp / "target", tmp / "drafter", data, None, ccfg, progress=progress)
         timings["conditioner_s"] = round(time.perf_counter() - t0, 2)
         for junk in ("train_state", "conditioner_state", "train_data"):
@@ -245,7 +271,7 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
 
         # 4. evaluation on the held-out prompts (both domains interleaved)
         t0 = time.perf_counter()
-        ev = preset["eval"]
+        ev = settings["eval"]
         codec = TextCodec.find(tmp / "target")
         rows_by = [cm.read_prompts_jsonl(tmp / "prompts" / f"{d}.jsonl") for d in ("code", "docs")]
         rows = [r for pair in zip(*rows_by, strict=False) for r in pair][: ev["n_prompts"]]
@@ -305,10 +331,12 @@ def _build(out: Path, tmp: Path, size: str, seed: int, force: bool, progress: bo
         "eval_prompts": {"files": ["prompts/code.jsonl", "prompts/docs.jsonl"], "n": len(prompts),
                          "interleaved": True},
     }
+    if recipe != DEFAULT_RECIPE:
+        man["recipe"] = {"name": recipe, **RECIPES[recipe]}
     if not lossless:
         raise RetraceError("zoo check failed: greedy retrace output differs from the target's own greedy output")
     (tmp / MANIFEST).write_text(json.dumps(man, indent=2, ensure_ascii=False) + "\n")
     return man
 
 
-__all__ = ["build_zoo", "cached_manifest", "PRESETS", "read_manifest"]
+__all__ = ["build_zoo", "cached_manifest", "PRESETS", "RECIPES", "preset", "read_manifest"]
