@@ -33,6 +33,7 @@ from retrace.runtime.backend import Backend
 from retrace.runtime.detokenize import IncrementalText
 from retrace.runtime.device import device_of, index_tensor, read
 from retrace.runtime.draft_tree import SOURCES, SourceRates
+from retrace.runtime.host_threads import LoopThreads
 from retrace.runtime.modes import MODES  # re-exported (retrace.runtime.loop.MODES)
 from retrace.runtime.options import RuntimeOptions
 from retrace.runtime.prompt_lookup import PromptLookup
@@ -141,6 +142,7 @@ class Scheduler:
         self.verify_and_accept = VerifyAndAccept(backend, clock, self.eos_ids)
         self.observers = [o for o in (self.memory, PolicyObserver(self.policy), TimingObserver(lambda: self.timing),
                                       *self.plan.proposers) if o is not None]
+        self.loop_threads = LoopThreads(backend)  # torch's threads for the step's own ops (runtime/host_threads.py)
 
     @property
     def clock(self):
@@ -196,6 +198,10 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
+        with self.loop_threads:
+            return self._step()
+
+    def _step(self) -> list[Event]:
         t0 = time.perf_counter()
         events: dict[int, Event] = {}
         admitted = self._admit()
