@@ -47,7 +47,7 @@ from retrace.runtime.proposers import (
 )
 from retrace.runtime.proposers.context import extend_context
 from retrace.runtime.round_outcome import PolicyObserver, TimingObserver
-from retrace.runtime.sampling import SamplingParams, argmax, row_probs
+from retrace.runtime.sampling import SamplingParams, argmax, flag_errors, pending_flags, row_probs
 from retrace.runtime.stats import AcceptStats, Timing
 from retrace.runtime.stop_strings import append
 from retrace.runtime.stopwatch import stopwatch_for
@@ -70,6 +70,7 @@ class Request:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # why it failed alone (finish_reason "error"; its batch-mates went on)
+    unsampleable: torch.Tensor | None = None  # device bool: a distribution of this round was none (sampling.py)
     stats: AcceptStats = field(default_factory=AcceptStats)
     slot: int = -1
     anchor: int = -1  # last committed token (no target K/V yet)
@@ -241,7 +242,12 @@ class Scheduler:
         slots = index_tensor([r.slot for r in reqs], dev)
         logits, taps = self.backend.target(slots, ids, positions, torch.tensor(lens, device=dev).sub(1).unsqueeze(1))
         logits = min_length(logits, reqs, self.eos_ids)
-        firsts = read(self._sample_first(logits[:, 0], reqs))  # the step's one read for the prefill
+        first = self._sample_first(logits[:, 0], reqs)
+        flags = pending_flags(reqs, first.device)  # sampling rows: whose distribution was no distribution
+        firsts = read(first if flags is None else torch.stack([first, flags.to(first.dtype)]))  # the step's one read
+        if flags is not None:
+            firsts, bad = firsts
+            flag_errors(reqs, bad)
         self.timing.prefill += time.perf_counter() - t0
         for i, (r, first) in enumerate(zip(reqs, firsts, strict=True)):
             r.ctx_taps, r.ctx_parts, r.ctx_parts_len, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], [], 0, 0
