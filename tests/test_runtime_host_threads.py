@@ -1,6 +1,7 @@
 """The loop's own torch ops run on the backend's `loop_threads` (runtime/host_threads.py): on the ONNX Runtime
-backend one thread inside every scheduler step, torch's own setting again after it, the same tokens and the
-same acceptance as with torch's threads left alone; a backend without the attribute (torch) is untouched."""
+backend one thread inside every scheduler step, switched once before a run's first step and back once after
+its last, the same tokens and the same acceptance as with torch's threads left alone; a backend without the
+attribute (torch) is untouched."""
 
 from __future__ import annotations
 
@@ -44,15 +45,19 @@ def _run(be, mode):
 
 
 @pytest.mark.parametrize("mode", ["dflash", "retrace"])
-def test_ort_steps_run_torch_on_one_thread_with_the_same_rounds(two_threads, mode):
+def test_ort_steps_run_torch_on_one_thread_with_the_same_rounds(two_threads, mode, monkeypatch):
     built = pair_and_bundle()
     be = OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=MAX_BATCH)
     assert be.loop_threads == 1
     torch.set_num_threads(2)  # the backend's load may set its own threads; the caller's setting is 2
     seen = ThreadsSeen(be)
+    switches = []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (switches.append(n), set_threads(n))[1])
     tokens, stats = _run(be, mode)
     assert seen.seen and set(seen.seen) == {1}  # every forward (and the ops around it) inside a step
-    assert torch.get_num_threads() == 2  # restored after each step
+    assert len(seen.seen) > 10 and switches == [1, 2]  # once before the first step, once after the last
+    assert torch.get_num_threads() == 2
     be.loop_threads = None  # torch's threads left alone: the same tokens, the same rounds
     seen.seen.clear()
     tokens2, stats2 = _run(be, mode)

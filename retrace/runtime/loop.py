@@ -143,7 +143,8 @@ class Scheduler:
         self.verify_and_accept = VerifyAndAccept(backend, clock, self.eos_ids)
         self.observers = [o for o in (self.memory, PolicyObserver(self.policy), TimingObserver(lambda: self.timing),
                                       *self.plan.proposers) if o is not None]
-        self.loop_threads = LoopThreads(backend)  # torch's threads for the step's own ops (runtime/host_threads.py)
+        # torch's threads for the steps' own ops (runtime/host_threads.py), torch's own again once idle
+        self.loop_threads = LoopThreads(backend, idle=lambda: not self.has_work)
 
     @property
     def clock(self):
