@@ -7,22 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from test_runtime_device import HostReads
 
 from retrace.runtime.sampling import argmax, guard_rows
-
-HOST = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-        torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
-
-
-class Seen(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.host = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.host += func in HOST
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -40,20 +27,20 @@ def test_argmax_is_max_indices(dtype):
 
 def test_argmax_on_meta_and_without_host_reads():
     assert argmax(torch.empty(3, 5, 7, device="meta")).shape == (3, 5)
-    seen = Seen()
+    seen = HostReads()
     x = torch.randn(8, 16, 2048)
     with seen:
         got = argmax(x)
-    assert seen.host == 0 and torch.equal(got, x.max(-1).indices)
+    assert seen.count == 0 and torch.equal(got, x.max(-1).indices)
 
 
 def test_guard_rows_flags_on_the_device():
     p = torch.softmax(torch.randn(3, 4, 10), -1)
     p[1, 2, 5] = float("nan")
-    seen = Seen()
+    seen = HostReads()
     with seen:
         out, bad = guard_rows(p)
-    assert seen.host == 0
+    assert seen.count == 0
     assert bad.tolist() == [False, True, False]
     assert torch.equal(out[[0, 2]], p[[0, 2]])
     want = torch.zeros(4, 10)
