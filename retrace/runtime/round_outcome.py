@@ -54,7 +54,7 @@ class RoundOutcome:
         rows' unsampleable flags, which become their requests' errors); then the stopwatch's marks
         (complete by now) become seconds."""
         N, reqs = self.batch.rows, self.batch.reqs
-        judged = self.judged if self.judged is not None else torch.zeros_like(self.accepted)
+        judged = self.judged if self.judged is not None else self.accepted  # no drafts: accepted is 0 too
         cols = [self.accepted.view(N, 1), self.bonus.view(N, 1), judged.view(N, 1),
                 self.tokens.view(N, self.tokens.shape[1])]
         flags = pending_flags(reqs, self.accepted.device)  # sampling rows: whose distribution was no distribution

@@ -101,6 +101,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def greedy_accept(verify_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """verify_logits [N, K+1, V], drafts [N, K] -> (accepted a [N], bonus [N], target argmax [N, K+1])."""
     post = argmax(verify_logits)
+    if not drafts.shape[1]:  # plain decoding (ar, a round the policy sent no drafts): the bonus is all
+        return torch.zeros(drafts.shape[0], dtype=torch.int64, device=post.device), post[:, 0].clone(), post
     match = (drafts == post[:, :-1]).to(torch.int64)
     a = match.cumprod(dim=1).sum(dim=1)
     bonus = post.gather(1, a.unsqueeze(1)).squeeze(1)
