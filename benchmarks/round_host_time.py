@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the `retrace` CLI sets it, before torch loads libgomp
+import torch  # noqa: E402
 
 from retrace.bench.prompts import load_prompts
 from retrace.bench.systems import ForwardTimers, RetraceSystem
