@@ -98,6 +98,13 @@ class SuffixMemory:
             self.count = torch.zeros(slots, dtype=torch.int64)  # valid slots 1..count
             self.position = torch.full((slots,), -1, dtype=torch.int64)  # absolute position of new slot 0
         self.filled: set[int] = set()  # slots holding a memory (kept on the host: no read to know it)
+        # `align` for every (accepted a, verified K) pair, row a * B + K: a round looks its rows up (two
+        # index ops) instead of recomputing the alignment (a dozen small ones); the same integers
+        a = torch.arange(B, device=device).repeat_interleave(B)
+        old, valid, corr = align(a, B, torch.arange(B, device=device).repeat(B))
+        self._aligned = torch.stack([old, corr], 1)  # [B*B, 2, B]: old slot j, correction index
+        self._valid = valid.float()  # [B*B, B]
+        self._count = valid.sum(1)  # [B*B]
 
     def clear(self, slot: int) -> None:
         # corr_index too: the drafter gathers with it even where valid == 0, and a stale index from the
@@ -148,17 +155,20 @@ class SuffixMemory:
         K = verify_logits.shape[1] - 1
         if verified is None:
             verified = torch.full_like(accepted, K)
-        old, valid, corr = align(accepted, B, verified.clamp_max(block_tokens.shape[1] - 2))
+        key = accepted * B + verified.clamp_max(block_tokens.shape[1] - 2)  # align(accepted, B, that), looked up
+        old, corr = self._aligned[key].unbind(1)
+        valid = self._valid[key]
         # features of old slots 0..L, the drafts the target scored (L = min(K+1, S)); a kept old slot j is
         # <= L (j <= verified + 1 <= K + 1 and j <= S), a dropped one reads slot 0 and is zeroed by `valid`
         L = min(K + 1, block_tokens.shape[1] - 1)
         feats = suffix_features(block_tokens[:, : L + 1], verify_logits, draft_logits[:, :L], target_argmax)
-        v = valid.to(self.memory.dtype).unsqueeze(-1)
+        vf = valid.unsqueeze(-1)
+        v = vf.to(self.memory.dtype)
         self.memory[rows] = torch.gather(hidden, 1, old.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).to(v.dtype) * v
-        self.features[rows] = torch.gather(feats, 1, old.unsqueeze(-1).expand(-1, -1, feats.shape[-1])) * v.float()
-        self.valid[rows] = valid.float()
+        self.features[rows] = torch.gather(feats, 1, old.unsqueeze(-1).expand(-1, -1, feats.shape[-1])) * vf
+        self.valid[rows] = valid
         self.corr_index[rows] = corr
-        self.count[rows] = valid.sum(1)
+        self.count[rows] = self._count[key]
         self.position[rows] = anchor_pos + accepted + 1
 
     def read(self, slots: torch.Tensor) -> SuffixInputs:
