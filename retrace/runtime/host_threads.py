@@ -21,7 +21,8 @@ class LoopThreads:
     """A context for each scheduler step: torch at the backend's `loop_threads` inside; torch's own setting
     again once the scheduler has no work left (`idle()`), or on an error. Not between the steps of one run:
     changing torch's thread count rebuilds its thread pool (about 30 us a change here, 6% of a round's
-    0.5 ms budget), so a generate switches once at its first step and once after its last."""
+    0.5 ms budget), so a generate switches once at its first step and once after its last. torch's count
+    is the process's: while such a scheduler has work, other torch code in the process runs at it too."""
 
     def __init__(self, backend, idle=lambda: True):
         self.threads = getattr(backend, "loop_threads", None) if device_of(backend).type == "cpu" else None
