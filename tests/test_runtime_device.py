@@ -7,7 +7,8 @@
   any tensor the loop made without naming the device would be a meta tensor and fail; outputs are the same.
 - At most 2 conversions of a tensor to host values per round (`.item()`, `.tolist()`, `.cpu()`,
   `.numpy()`, `bool()` / `int()` / `float()` / `__index__` of a tensor), counted with a TorchFunctionMode
-  between consecutive target calls, in dflash and retrace modes, batch 1 and 8, fixed and adaptive policy.
+  between consecutive target calls, in dflash and retrace modes, batch 1 and 8, fixed and adaptive policy,
+  and with prompt lookup (its rounds alone, or between drafter rounds), batch 1 and 4.
 """
 
 from __future__ import annotations
@@ -183,6 +184,32 @@ def test_at_most_two_host_reads_per_round(pair, batch, mode, policy):
     if batch == 1:
         hf = load_hf_target(pair[0])
         assert outs[0].token_ids == hf_greedy(hf, prompts[0], 24)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("drafts", ["never", "sometimes"])
+def test_prompt_lookup_rounds_read_the_host_at_most_twice(pair, batch, drafts):
+    """Prompt lookup builds its drafts on the host from host lists (its lengths carry their host copy):
+    its rounds, alone or between drafter rounds, read the host at most twice too; the output is the target's."""
+    from runtime_fixtures import LinearCost, steep_cost_policy
+
+    from retrace.runtime.prompt_lookup import PromptLookup
+    from retrace.runtime.verify_policy import AdaptivePolicy
+
+    reads = HostReads()
+    be = TorchBackend.from_dirs(*pair, max_batch=8, max_seq_len=96)
+    policy = (AdaptivePolicy(8, LinearCost(0.1, 50.0), learn_cost=False) if drafts == "never"
+              else steep_cost_policy(8))
+    rt = Runtime(CountingBackend(be, reads), None, verify_policy=policy, prompt_lookup=PromptLookup(max_rows=4))
+    prompts = [[5, 9, 2, 7] * 3, [1, 2, 3] * 4, [11, 3] * 5, [8, 1, 8, 2] * 2][:batch]
+    with reads:
+        outs = rt.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), "retrace")
+    reads.marks.append(reads.count)
+    per_round = [b - a for a, b in zip(reads.marks, reads.marks[1:], strict=False)]
+    assert rt.run_stats()["prompt_lookup"]["rounds"] > 0
+    assert len(per_round) >= 10 and max(per_round) <= 2, per_round
+    hf = load_hf_target(pair[0])
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
 
 
 def test_read_is_the_values():

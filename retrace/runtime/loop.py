@@ -33,6 +33,7 @@ from retrace.runtime.backend import Backend
 from retrace.runtime.detokenize import IncrementalText
 from retrace.runtime.device import device_of, index_tensor, read
 from retrace.runtime.draft_tree import SOURCES, SourceRates
+from retrace.runtime.host_threads import LoopThreads
 from retrace.runtime.modes import MODES  # re-exported (retrace.runtime.loop.MODES)
 from retrace.runtime.options import RuntimeOptions
 from retrace.runtime.prompt_lookup import PromptLookup
@@ -46,7 +47,7 @@ from retrace.runtime.proposers import (
 )
 from retrace.runtime.proposers.context import extend_context
 from retrace.runtime.round_outcome import PolicyObserver, TimingObserver
-from retrace.runtime.sampling import SamplingParams, argmax, row_probs
+from retrace.runtime.sampling import SamplingParams, argmax, flag_errors, pending_flags, row_probs
 from retrace.runtime.stats import AcceptStats, Timing
 from retrace.runtime.stop_strings import append
 from retrace.runtime.stopwatch import stopwatch_for
@@ -69,6 +70,7 @@ class Request:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # why it failed alone (finish_reason "error"; its batch-mates went on)
+    unsampleable: torch.Tensor | None = None  # device bool: a distribution of this round was none (sampling.py)
     stats: AcceptStats = field(default_factory=AcceptStats)
     slot: int = -1
     anchor: int = -1  # last committed token (no target K/V yet)
@@ -141,6 +143,8 @@ class Scheduler:
         self.verify_and_accept = VerifyAndAccept(backend, clock, self.eos_ids)
         self.observers = [o for o in (self.memory, PolicyObserver(self.policy), TimingObserver(lambda: self.timing),
                                       *self.plan.proposers) if o is not None]
+        # torch's threads for the steps' own ops (runtime/host_threads.py), torch's own again once idle
+        self.loop_threads = LoopThreads(backend, idle=lambda: not self.has_work)
 
     @property
     def clock(self):
@@ -196,6 +200,10 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
+        with self.loop_threads:
+            return self._step()
+
+    def _step(self) -> list[Event]:
         t0 = time.perf_counter()
         events: dict[int, Event] = {}
         admitted = self._admit()
@@ -235,7 +243,12 @@ class Scheduler:
         slots = index_tensor([r.slot for r in reqs], dev)
         logits, taps = self.backend.target(slots, ids, positions, torch.tensor(lens, device=dev).sub(1).unsqueeze(1))
         logits = min_length(logits, reqs, self.eos_ids)
-        firsts = read(self._sample_first(logits[:, 0], reqs))  # the step's one read for the prefill
+        first = self._sample_first(logits[:, 0], reqs)
+        flags = pending_flags(reqs, first.device)  # sampling rows: whose distribution was no distribution
+        firsts = read(first if flags is None else torch.stack([first, flags.to(first.dtype)]))  # the step's one read
+        if flags is not None:
+            firsts, bad = firsts
+            flag_errors(reqs, bad)
         self.timing.prefill += time.perf_counter() - t0
         for i, (r, first) in enumerate(zip(reqs, firsts, strict=True)):
             r.ctx_taps, r.ctx_parts, r.ctx_parts_len, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], [], 0, 0

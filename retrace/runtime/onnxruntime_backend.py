@@ -185,6 +185,7 @@ class _Graph:
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
+    loop_threads = 1  # the forwards run in ONNX Runtime's pool; torch's ops around them on one thread (host_threads)
 
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, providers: list | None = None, kv_mode: str | None = None,

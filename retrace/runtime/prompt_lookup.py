@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from retrace.errors import RetraceError
+from retrace.runtime.device import host_values, index_tensor
 
 
 class _Index:
@@ -91,19 +92,20 @@ class PromptLookup:
         drafts = torch.zeros(len(reqs), L, dtype=torch.int64)
         for i, p in enumerate(props):
             drafts[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        return drafts, torch.tensor([len(p) for p in props])
+        return drafts, index_tensor([len(p) for p in props], drafts.device)  # lengths with their host copy
 
     def choose(self, lengths: torch.Tensor, cost) -> int:
         """K lookup tokens to verify this round (0: a plain step); cost: the policy's CostModel, None =
         verify every proposal."""
-        L = int(lengths.max()) if lengths.numel() else 0
+        lengths = host_values(lengths)  # built on the host (propose): no read
+        L = max(lengths, default=0)
         if L == 0 or cost is None:
             return L
-        N = lengths.numel()
+        N = len(lengths)
         a = self.accept_rate
         best, best_rate = 0, N / cost.verify(N, 1)
         for k in range(1, L + 1):
-            gain = sum(sum(a ** j for j in range(1, min(int(n), k) + 1)) for n in lengths)
+            gain = sum(sum(a ** j for j in range(1, min(n, k) + 1)) for n in lengths)
             rate = (N + gain) / cost.verify(N, k + 1)
             if rate > best_rate:
                 best, best_rate = k, rate

@@ -17,6 +17,7 @@ import torch
 
 from retrace.runtime.device import read
 from retrace.runtime.proposers.base import Proposal, RoundBatch
+from retrace.runtime.sampling import flag_errors, pending_flags
 from retrace.runtime.stats import Timing
 
 
@@ -49,12 +50,19 @@ class RoundOutcome:
         return self.logits.gather(1, self.path.unsqueeze(-1).expand(-1, -1, self.logits.shape[-1]))
 
     def read(self, clock) -> list[list[int]]:
-        """The round's one device-to-host read -> per row [accepted, bonus, judged, tokens..]; then the
-        stopwatch's marks (complete by now) become seconds."""
-        N = self.batch.rows
-        judged = self.judged if self.judged is not None else torch.zeros_like(self.accepted)
-        host = read(torch.cat([self.accepted.view(N, 1), self.bonus.view(N, 1), judged.view(N, 1),
-                               self.tokens.view(N, self.tokens.shape[1])], dim=1).to(torch.int64))
+        """The round's one device-to-host read -> per row [accepted, bonus, judged, tokens..] (and the sampling
+        rows' unsampleable flags, which become their requests' errors); then the stopwatch's marks
+        (complete by now) become seconds."""
+        N, reqs = self.batch.rows, self.batch.reqs
+        judged = self.judged if self.judged is not None else self.accepted  # no drafts: accepted is 0 too
+        cols = [self.accepted.view(N, 1), self.bonus.view(N, 1), judged.view(N, 1),
+                self.tokens.view(N, self.tokens.shape[1])]
+        flags = pending_flags(reqs, self.accepted.device)  # sampling rows: whose distribution was no distribution
+        if flags is not None:
+            cols.append(flags.view(N, 1))
+        host = read(torch.cat(cols, dim=1).to(torch.int64))
+        if flags is not None:
+            flag_errors(reqs, [row.pop() for row in host])
         self.host_accepted, self.host_judged = [row[0] for row in host], [row[2] for row in host]
         marks = self.proposal.marks
         if marks:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from retrace.runtime.argmax_op import argmax as argmax_op
 from retrace.runtime.sampling_params import SamplingParams  # re-exported (defined without torch)
 
 
@@ -40,17 +41,38 @@ def unsampleable(probs: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(mass) & (mass > 0))
 
 
-def guard_rows(probs: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+def guard_rows(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [N, ..., V] -> (probs with every unsampleable row replaced by a one-hot on token 0, so the
-    round can go on for its batch-mates; the indices of those rows)."""
-    bad = unsampleable(probs).reshape(probs.shape[0], -1).any(-1)
-    if not bool(bad.any()):
-        return probs, []
-    rows = bad.nonzero().flatten().tolist()
-    probs = probs.clone()
-    probs[rows] = 0.0
-    probs[rows, ..., 0] = 1.0
-    return probs, rows
+    round can go on for its batch-mates; bad [N] bool, which rows those were), on the device: no read (the
+    round's one read brings `bad` back, runtime/round_outcome.py)."""
+    N, V = probs.shape[0], probs.shape[-1]
+    bad = unsampleable(probs).reshape(N, -1).any(-1)
+    hot = torch.zeros(V, dtype=probs.dtype, device=probs.device)
+    hot[0] = 1.0
+    return torch.where(bad.view(N, *[1] * (probs.dim() - 1)), hot, probs), bad
+
+
+def unsampleable_error(params: SamplingParams) -> str:
+    """Why a request whose distribution could not be sampled failed (it fails alone, at its commit)."""
+    return (f"the sampling distribution of this request cannot be sampled (non-finite probabilities at "
+            f"temperature {params.temperature:g}, top_k {params.top_k}, top_p {params.top_p:g})")
+
+
+def flag_errors(reqs: list, bad: list) -> None:
+    """After a read: each request whose flag in `bad` is set gets its error; every pending flag is cleared."""
+    for r, b in zip(reqs, bad, strict=True):
+        if b and r.error is None:
+            r.error = unsampleable_error(r.params)
+        r.unsampleable = None
+
+
+def pending_flags(reqs: list, device) -> torch.Tensor | None:
+    """[N] bool: the requests' pending unsampleable flags (row_probs), None when no row has one (known on the
+    host: greedy rounds build nothing)."""
+    if all(getattr(r, "unsampleable", None) is None for r in reqs):
+        return None
+    none = torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack([none if r.unsampleable is None else r.unsampleable for r in reqs])
 
 
 def mask_early_eos(logits: torch.Tensor, produced: list[int], min_tokens: list[int],
@@ -71,14 +93,16 @@ def mask_early_eos(logits: torch.Tensor, produced: list[int], min_tokens: list[i
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim. `max(-1).indices` is the same (first maximal index on ties) and 2.5-3x
-    faster than `argmax(-1)` on CPU (torch 2.13: [16, 151936] fp32 1.2 ms vs 3.3 ms)."""
-    return logits.max(-1).indices
+    """argmax over the last dim (the first maximal index on ties, as `max(-1).indices`): one operator whose
+    CPU kernel is numpy's vectorised argmax (runtime/argmax_op.py: 10-14x faster than torch's there)."""
+    return argmax_op(logits)
 
 
 def greedy_accept(verify_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """verify_logits [N, K+1, V], drafts [N, K] -> (accepted a [N], bonus [N], target argmax [N, K+1])."""
     post = argmax(verify_logits)
+    if not drafts.shape[1]:  # plain decoding (ar, a round the policy sent no drafts): the bonus is all
+        return torch.zeros(drafts.shape[0], dtype=torch.int64, device=post.device), post[:, 0].clone(), post
     match = (drafts == post[:, :-1]).to(torch.int64)
     a = match.cumprod(dim=1).sum(dim=1)
     bonus = post.gather(1, a.unsqueeze(1)).squeeze(1)
@@ -112,7 +136,8 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
 def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:
     """processed_probs(logits[i], params of row i) for the sampling rows, None for greedy rows; one call
     per distinct (temperature, top_k, top_p) rather than one per row. A row that is no distribution gets
-    its request's `error` set (guard_rows)."""
+    a one-hot in its place and its request a pending flag (`r.unsampleable`, a device bool), which the
+    round's read turns into the request's `error` (`flag_errors`)."""
     out: list[torch.Tensor | None] = [None] * len(reqs)
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(reqs):
@@ -120,11 +145,8 @@ def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:
             groups.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
     for rows in groups.values():
         probs, bad = guard_rows(processed_probs(logits[rows], reqs[rows[0]].params))
-        for j in bad:  # the row fails alone (at its commit); guard_rows' one-hot there keeps the round going
-            p = reqs[rows[j]].params
-            reqs[rows[j]].error = (f"the sampling distribution of this request cannot be sampled (non-finite "
-                                   f"probabilities at temperature {p.temperature:g}, top_k {p.top_k}, "
-                                   f"top_p {p.top_p:g})")
         for j, i in enumerate(rows):
             out[i] = probs[j]
+            r = reqs[i]
+            r.unsampleable = bad[j] if getattr(r, "unsampleable", None) is None else r.unsampleable | bad[j]
     return out

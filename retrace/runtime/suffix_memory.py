@@ -29,10 +29,13 @@ slots k >= 1, stored as [slots, B-1] token ids at index k - 1 (-1 = none):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from retrace.models.conditioner import FEATURES
 from retrace.models.drafter import SuffixInputs
+from retrace.runtime.backend import contiguous_range
 from retrace.runtime.device import host_values
 
 
@@ -50,8 +53,14 @@ def align(accepted: torch.Tensor, block_size: int,
 
 def shift(accepted: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """accepted [N] -> (new slot k [1, B], the old slot j = k + a + 1 at the same absolute position [N, B])."""
-    k = torch.arange(block_size, device=accepted.device).unsqueeze(0)
-    return k, k + accepted.unsqueeze(1) + 1
+    k = _slots(block_size, accepted.device)
+    return k, k + (accepted.unsqueeze(1) + 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _slots(block_size: int, device: torch.device) -> torch.Tensor:
+    """[[0, 1, .., B-1]], built once per block size and device (read-only)."""
+    return torch.arange(block_size, device=device).unsqueeze(0)
 
 
 def suffix_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor,
@@ -89,6 +98,13 @@ class SuffixMemory:
             self.count = torch.zeros(slots, dtype=torch.int64)  # valid slots 1..count
             self.position = torch.full((slots,), -1, dtype=torch.int64)  # absolute position of new slot 0
         self.filled: set[int] = set()  # slots holding a memory (kept on the host: no read to know it)
+        # `align` for every (accepted a, verified K) pair, row a * B + K: a round looks its rows up (two
+        # index ops) instead of recomputing the alignment (a dozen small ones); the same integers
+        a = torch.arange(B, device=device).repeat_interleave(B)
+        old, valid, corr = align(a, B, torch.arange(B, device=device).repeat(B))
+        self._aligned = torch.stack([old, corr], 1)  # [B*B, 2, B]: old slot j, correction index
+        self._valid = valid.float()  # [B*B, B]
+        self._count = valid.sum(1)  # [B*B]
 
     def clear(self, slot: int) -> None:
         # corr_index too: the drafter gathers with it even where valid == 0, and a stale index from the
@@ -134,26 +150,38 @@ class SuffixMemory:
             self.forget(slots)
             return
         self.filled.update(host_values(slots))
+        rows = self._rows(slots)
         B = self.block_size
         K = verify_logits.shape[1] - 1
         if verified is None:
             verified = torch.full_like(accepted, K)
-        old, valid, corr = align(accepted, B, verified.clamp_max(block_tokens.shape[1] - 2))
-        # features of old slots 1..L, the drafts the target scored (L = min(K+1, S)); zero beyond
+        key = accepted * B + verified.clamp_max(block_tokens.shape[1] - 2)  # align(accepted, B, that), looked up
+        old, corr = self._aligned[key].unbind(1)
+        valid = self._valid[key]
+        # features of old slots 0..L, the drafts the target scored (L = min(K+1, S)); a kept old slot j is
+        # <= L (j <= verified + 1 <= K + 1 and j <= S), a dropped one reads slot 0 and is zeroed by `valid`
         L = min(K + 1, block_tokens.shape[1] - 1)
-        feats = verify_logits.new_zeros(block_tokens.shape[0], B, len(FEATURES))
-        feats[:, : L + 1] = suffix_features(block_tokens[:, : L + 1], verify_logits, draft_logits[:, :L],
-                                            target_argmax)
-        v = valid.to(self.memory.dtype).unsqueeze(-1)
-        self.memory[slots] = torch.gather(hidden, 1, old.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).to(v.dtype) * v
-        self.features[slots] = torch.gather(feats, 1, old.unsqueeze(-1).expand(-1, -1, feats.shape[-1])) * v.float()
-        self.valid[slots] = valid.float()
-        self.corr_index[slots] = corr
-        self.count[slots] = valid.sum(1)
-        self.position[slots] = anchor_pos + accepted + 1
+        feats = suffix_features(block_tokens[:, : L + 1], verify_logits, draft_logits[:, :L], target_argmax)
+        vf = valid.unsqueeze(-1)
+        v = vf.to(self.memory.dtype)
+        self.memory[rows] = torch.gather(hidden, 1, old.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).to(v.dtype) * v
+        self.features[rows] = torch.gather(feats, 1, old.unsqueeze(-1).expand(-1, -1, feats.shape[-1])) * vf
+        self.valid[rows] = valid
+        self.corr_index[rows] = corr
+        self.count[rows] = self._count[key]
+        self.position[rows] = anchor_pos + accepted + 1
 
     def read(self, slots: torch.Tensor) -> SuffixInputs:
-        return SuffixInputs(self.memory[slots], self.features[slots], self.valid[slots], self.corr_index[slots])
+        """The memory of `slots` (a contiguous range: views of the buffers, no copy; the next write comes
+        after the drafter call that reads them)."""
+        rows = self._rows(slots)
+        return SuffixInputs(self.memory[rows], self.features[rows], self.valid[rows], self.corr_index[rows])
+
+    @staticmethod
+    def _rows(slots: torch.Tensor) -> slice | torch.Tensor:
+        """A contiguous slot range as a slice (row writes are copies, reads are views), else the slots."""
+        rows = contiguous_range(slots) if getattr(slots, "host_values", None) is not None else None
+        return slots if rows is None else rows
 
     def write_trajectory(self, slots: torch.Tensor, top1: torch.Tensor, path_argmax: torch.Tensor,
                          path_len: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -106,7 +106,7 @@ def draft_confidence(draft_logits: torch.Tensor, q: list[torch.Tensor | None]) -
     q is a function of the committed context only (the block is drafted in parallel), so a K chosen from
     it is a stopping rule that never looks at the drafts it stops."""
     logits = draft_logits.float()
-    conf = 1.0 / (logits - logits.max(-1, keepdim=True).values).exp().sum(-1)
+    conf = 1.0 / (logits - logits.amax(-1, keepdim=True)).exp().sum(-1)  # amax: the values alone, no indices
     for i, qi in enumerate(q):
         if qi is not None:
             conf[i] = qi.max(-1).values

@@ -4,7 +4,7 @@ observes its own rounds (the decayed acceptance estimate behind `choose`)."""
 
 from __future__ import annotations
 
-from retrace.runtime.device import index_tensor
+from retrace.runtime.device import host_values, index_tensor
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.proposers.base import Proposal, RoundBatch
 
@@ -18,7 +18,7 @@ class LookupProposer:
         drafts, lengths = self.lookup.propose(batch.reqs, self.block_size - 1)  # built on the host
         k = self.lookup.choose(lengths, self.cost)
         return Proposal("chain", self, drafts[:, :k].to(batch.device),
-                        index_tensor(lengths.clamp_max(k).tolist(), batch.device))
+                        index_tensor([min(n, k) for n in host_values(lengths)], batch.device))
 
     def observe(self, outcome) -> None:
         if outcome.proposal.source is self:
