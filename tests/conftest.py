@@ -73,3 +73,14 @@ def tiny_pair(tmp_path):
         return TinyPair(target_dir, drafter_dir)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def zoo_target_stage(tmp_path_factory):
+    """The tiny zoo's target stage (`build_target_stage(size="test", seed=0)`, this process's numerics), built
+    once per session: (directory, metrics of that first build). Tests must not change its target/, prompts/
+    or data/ (copy them to change them)."""
+    from retrace.train.zoo_target import build_target_stage
+
+    out = tmp_path_factory.mktemp("zoo-target-stage")
+    return out, build_target_stage(out, size="test", seed=0, progress=False)

@@ -86,7 +86,7 @@ def test_full_acceptance_eos_ignored_and_tau_conventions(tmp_path):
     target, drafter, prompts = write_bench_pair(tmp_path, zero_logits=True)
     try:
         r, _, _ = bench(tmp_path, target, drafter, prompts, "--systems", "hf-*,ortgenai-ar,retrace-torch-dflash-fixed",
-                        "--batch-sizes", "1", "--peer-env", "defaults")
+                        "--batch-sizes", "1", "--peer-env", "inherit")  # one process: no worker starts
     finally:
         torch.set_num_threads(threads)
     assert r["agreement"]["all_exact_length"] and r["agreement"]["total_mismatched_prompts"] == 0

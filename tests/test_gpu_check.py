@@ -33,8 +33,11 @@ def test_gpu_check_dry_run(tmp_path):
 
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
+    # the trainers' time budgets cut to 2 s (the dry run's own are 5, 5 and 4 s): the asserts below are about
+    # wiring and losslessness, which any length of training shows
+    budgets = ["--target-seconds", "2", "--dflash-seconds", "2", "--cond-seconds", "2"]
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--dry-run", "--carry",
-                           str(tmp_path / "carry"), "--work", str(tmp_path / "work")],
+                           str(tmp_path / "carry"), "--work", str(tmp_path / "work"), *budgets],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "gpu_check.json").read_text())

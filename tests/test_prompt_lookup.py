@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from export_fixtures import cli_build
-from runtime_fixtures import LinearCost, hf_greedy, load_hf_target, write_pair
+from export_fixtures import pair_and_bundle
+from runtime_fixtures import LinearCost, hf_greedy, load_hf_target
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
@@ -61,18 +61,20 @@ def _never_drafts(block_size):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target, drafter = write_pair(tmp_path_factory.mktemp("lookup"), vocab=64, block_size=8, seed=5)
+def pair():
+    """The session's pair and bundle (export_fixtures: block 8, max batch 4): repetitive prompts, greedy."""
+    built = pair_and_bundle()
+    target, drafter = built.target, built.drafter
     g = torch.Generator().manual_seed(1)
     base = [torch.randint(0, 60, (n,), generator=g).tolist() for n in (4, 6, 3)]
     prompts = [b * 3 for b in base]  # repetitive prompts; random tiny targets also loop in their output
     hf = load_hf_target(target)
-    return target, drafter, prompts, [hf_greedy(hf, p, 48) for p in prompts]
+    return target, drafter, prompts, [hf_greedy(hf, p, 48) for p in prompts], built.bundle
 
 
 @pytest.mark.parametrize("mode", ["dflash", "retrace"])
 def test_greedy_with_lookup_is_the_targets_own_decode_on_torch(pair, mode):
-    target, drafter, prompts, greedy = pair
+    target, drafter, prompts, greedy, _ = pair
     rt = Runtime.from_dirs(target, drafter, max_batch=3, max_seq_len=128, verify_policy=_never_drafts(8),
                            prompt_lookup=PromptLookup(max_rows=3))
     res = rt.generate(prompts, SamplingParams(max_new_tokens=48), mode)
@@ -83,10 +85,9 @@ def test_greedy_with_lookup_is_the_targets_own_decode_on_torch(pair, mode):
     assert rt.run_stats()["rounds"] < tokens  # lookup rounds kept more than one token
 
 
-def test_lookup_on_onnxruntime_and_sampling_rows(pair, tmp_path):
-    target, drafter, prompts, greedy = pair
-    cli_build(target, drafter, tmp_path / "b", 4, 128, "--quiet")
-    rt = Runtime.from_bundle(tmp_path / "b", threads=1, verify_policy=_never_drafts(8),
+def test_lookup_on_onnxruntime_and_sampling_rows(pair):
+    *_, prompts, greedy, bundle = pair
+    rt = Runtime.from_bundle(bundle, threads=1, verify_policy=_never_drafts(8),
                              prompt_lookup=PromptLookup(max_rows=4))
     out = rt.generate(prompts, SamplingParams(max_new_tokens=48), "retrace")
     assert [r.token_ids for r in out] == greedy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -101,27 +102,37 @@ def _untimed(d):
     return [_untimed(v) for v in d] if isinstance(d, list) else d
 
 
-def test_a_failure_after_the_target_stage_keeps_it_for_the_next_run(tmp_path, monkeypatch):
-    """The conditioner stage fails: nothing is installed at --out, the finished target stage waits beside it,
+def test_a_failure_after_the_target_stage_keeps_it_for_the_next_run(tmp_path, monkeypatch, zoo_target_stage):
+    """The drafter stage fails: nothing is installed at --out, the finished target stage waits beside it,
     and the next run trains only the later stages (the target trainer would fail if called) around that very
-    target stage, byte for byte; the stash is gone once the zoo is installed."""
-    from retrace.train import conditioner, zoo, zoo_target
+    target stage, byte for byte; the stash is gone once the zoo is installed. The first run's target stage
+    comes from the session's (conftest.zoo_target_stage, copied in before the build's own cache check)."""
+    import shutil
+
+    from retrace.train import dflash, zoo, zoo_target
 
     out = tmp_path / "tiny"
-    real = conditioner.train_conditioner
+    real_dflash, real_stage = dflash.train_dflash, zoo_target.build_target_stage
 
     def boom(*_a, **_k):
-        raise RuntimeError("the conditioner stage failed")
+        raise RuntimeError("the drafter stage failed")
 
-    monkeypatch.setattr(conditioner, "train_conditioner", boom)
-    with pytest.raises(RuntimeError, match="conditioner stage failed"):
+    def session_stage(out_dir, *a, **k):
+        for sub in ("target", "prompts", "data"):
+            shutil.copytree(zoo_target_stage[0] / sub, Path(out_dir) / sub)
+        return real_stage(out_dir, *a, **k)
+
+    monkeypatch.setattr(zoo_target, "build_target_stage", session_stage)
+    monkeypatch.setattr(dflash, "train_dflash", boom)
+    with pytest.raises(RuntimeError, match="drafter stage failed"):
         zoo.build_zoo(out, size="test", seed=0, progress=False, threads=1)
     stash = zoo.target_stash(out)
     assert not out.exists() and zoo_target.cached_metrics(stash, "test", 0) is not None
     assert not [p for p in tmp_path.iterdir() if ".retrace-" in p.name]  # no temp sibling left
 
     kept = _digests(stash)
-    monkeypatch.setattr(conditioner, "train_conditioner", real)
+    monkeypatch.setattr(dflash, "train_dflash", real_dflash)
+    monkeypatch.setattr(zoo_target, "build_target_stage", real_stage)
     monkeypatch.setattr(zoo_target, "_build", lambda *a, **k: pytest.fail("the target stage was trained again"))
     man = zoo.build_zoo(out, size="test", seed=0, progress=False, threads=1)
     assert man["cached"] is False and not stash.exists()

@@ -11,7 +11,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,9 @@ from retrace.train.zoo_target import MANIFEST_NAME, build_target_stage, cached_m
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zoo")
-    t0 = time.perf_counter()
-    metrics = build_target_stage(out, size="test", seed=0, progress=False)
-    return out, metrics, time.perf_counter() - t0
+def built(zoo_target_stage):
+    """The session's target stage (conftest.zoo_target_stage; test_zoo_pair reuses it)."""
+    return zoo_target_stage
 
 
 def _sha(path: Path) -> str:
@@ -33,7 +30,7 @@ def _sha(path: Path) -> str:
 
 
 def test_layout_and_metrics(built):
-    out, m, _ = built
+    out, m = built
     assert m["cached"] is False
     for rel in [
         "target/config.json",
@@ -63,7 +60,7 @@ def test_layout_and_metrics(built):
 def test_cache_hit_does_not_train(built, monkeypatch):
     import retrace.train.zoo_target as zt
 
-    out, m, _ = built
+    out, m = built
     mtime = (out / "target" / "model.safetensors").stat().st_mtime_ns
     monkeypatch.setattr(zt, "_build", lambda *a, **k: pytest.fail("a cache hit must not train"))
     again = build_target_stage(out, size="test", seed=0, progress=False)
@@ -76,7 +73,7 @@ def test_cache_hit_does_not_train(built, monkeypatch):
 def test_tokenizer_loads_and_roundtrips(built):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    out, _, _ = built
+    out, _ = built
     tdir = out / "target"
     split = corpus.load_corpus("test")
     for tok in (AutoTokenizer.from_pretrained(tdir), PreTrainedTokenizerFast.from_pretrained(tdir)):
@@ -99,7 +96,7 @@ def test_target_loads_with_transformers(built):
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
 
-    out, m, _ = built
+    out, m = built
     tdir = out / "target"
     model = Qwen3ForCausalLM.from_pretrained(tdir).eval()
     cfg = json.loads((tdir / "config.json").read_text())
@@ -125,7 +122,7 @@ def test_target_loads_with_transformers(built):
 
 
 def test_prompt_files(built):
-    out, m, _ = built
+    out, m = built
     split = json.loads((out / "data" / "split.json").read_text())
     eval_paths, train_paths = set(split["eval_paths"]), set(split["train_paths"])
     assert eval_paths and train_paths and not eval_paths & train_paths
@@ -151,7 +148,7 @@ def test_prompt_files(built):
 
 
 def test_corpus_split_and_tokenizer_deterministic(built):
-    out, _, _ = built
+    out, _ = built
     a, b = corpus.load_corpus("test"), corpus.load_corpus("test")
     assert a.fingerprint == b.fingerprint and [f.relpath for f in a.train] == [f.relpath for f in b.train]
     assert not {f.relpath for f in a.train} & {f.relpath for f in a.eval}
@@ -236,7 +233,7 @@ def test_prompt_only_rebuild_keeps_weights(built, tmp_path):
     """A manifest whose prompt key is stale (here: the version-1 flat key) regenerates prompts, not weights."""
     import shutil
 
-    src, m, _ = built
+    src, m = built
     out = tmp_path / "zoo"
     for sub in ("target", "prompts", "data"):
         shutil.copytree(src / sub, out / sub)
