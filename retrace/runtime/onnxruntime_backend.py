@@ -483,7 +483,11 @@ def _session_options(threads: int | None, entries: dict | None):
     # RETRACE_ORT_SPINNING=1 turns it back on (measured at the Qwen3-0.6B shape, 2 cores: the loop then ran
     # 1.6x slower at batch 1 and 1.3x at batch 4, although a lone target call got ~10% faster).
     spin = os.environ.get("RETRACE_ORT_SPINNING", "0").strip().lower() in ("1", "true", "yes")
-    for k, v in {"session.intra_op.allow_spinning": "1" if spin else "0", **(entries or {})}.items():
+    # With spinning on, the workers stop spinning when a run returns (session.force_spinning_stop), so that the
+    # loop's work between two runs is not starved by them.
+    spinning = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"} if spin else \
+        {"session.intra_op.allow_spinning": "0"}
+    for k, v in {**spinning, **(entries or {})}.items():
         so.add_session_config_entry(k, str(v))
     return so
 
