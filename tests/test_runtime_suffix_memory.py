@@ -254,3 +254,47 @@ def test_write_keeps_only_the_drafts_the_target_scored(B):
     mem.write(torch.tensor([0, 2]), None, block[:2, :1], verify[:2, :1], None, torch.zeros(2, dtype=torch.int64),
               anchor_pos[:2])
     assert mem.valid[[0, 2]].sum() == 0 and int(mem.position[0]) == -1
+
+
+@pytest.mark.parametrize("N", [1, 5])
+def test_write_features_are_the_bits_of_suffix_features(N):
+    """The write computes the features at the kept slots only (softmaxes over the rows some row keeps, when
+    the round's host values say which): the same bits as `suffix_features` over the whole block gathered by
+    the alignment, the previous write and what the zoo's conditioner was trained on; memory, valid,
+    correction index and count as `align` gives them."""
+    from retrace.runtime.device import index_tensor
+    from retrace.runtime.suffix_memory import suffix_features
+
+    B, d, V = 8, 5, 300
+    g = torch.Generator().manual_seed(N)
+    checked = 0
+    for S in (B - 1, B - 3):
+        for _ in range(12):
+            acc = torch.randint(0, S + 1, (N,), generator=g)
+            ver = torch.minimum(acc + torch.randint(0, S + 1, (N,), generator=g), torch.tensor(S))
+            K = int(ver.max())
+            hidden = torch.randn(N, B, d, generator=g)
+            block = torch.randint(0, V, (N, S + 1), generator=g)
+            verify = torch.randn(N, K + 1, V, generator=g) * 4
+            draft = torch.randn(N, S, V, generator=g) * 4
+            block[:, 1: K + 1] = torch.where(torch.rand(N, K, generator=g) < 0.5, verify[:, :K].argmax(-1),
+                                             block[:, 1: K + 1])
+            pos = torch.randint(0, 50, (N,), generator=g)
+            old, valid, corr = align(acc, B, ver.clamp_max(S - 1))
+            L = min(K + 1, S)
+            feats = suffix_features(block[:, : L + 1], verify, draft[:, :L], verify.argmax(-1))
+            want = torch.gather(feats, 1, old.unsqueeze(-1).expand(-1, -1, 3)) * valid.unsqueeze(-1).float()
+            for hint in (False, True):  # without the host values: every row's softmax
+                mem = SuffixMemory(N, B, d)
+                slots = index_tensor(list(range(N)), torch.device("cpu"))
+                v = index_tensor(ver.tolist(), torch.device("cpu")) if hint else ver
+                mem.write(slots, hidden, block, verify, draft, acc, pos, verify.argmax(-1), v,
+                          acc.tolist() if hint else None)
+                assert torch.equal(mem.features, want) and not mem.features.signbit().any()
+                assert torch.equal(mem.valid, valid.float()) and torch.equal(mem.corr_index, corr)
+                assert torch.equal(mem.count, valid.sum(1)) and torch.equal(mem.position, pos + acc + 1)
+                checked += int(valid.sum())
+    assert checked > 50
+    for b in BLOCKS:  # the host copy of the counts the write uses to pick the rows
+        m = SuffixMemory(1, b, 2)
+        assert m._count_host == m._count.tolist()

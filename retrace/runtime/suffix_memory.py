@@ -81,6 +81,23 @@ def suffix_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor,
     return feats
 
 
+def kept_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor, draft_logits: torch.Tensor,
+                  target_argmax: torch.Tensor, old: torch.Tensor, corr: torch.Tensor, rows: range) -> torch.Tensor:
+    """`suffix_features` gathered at the memory's new slots, [N, B, 3] (the same bits at the valid slots;
+    the others hold whatever their clamped index reads, the caller zeroes them): old / corr [N, B] the old
+    slot j and j - 1 per new slot (`align`); rows: the verify / draft-logit rows t = j - 1 the valid slots
+    use. The two temperature-1 softmaxes run over those rows only (row by row as in `suffix_features`)."""
+    N, V = block_tokens.shape[0], verify_logits.shape[-1]
+    tok = block_tokens.gather(1, old)  # d_j at each new slot
+    at = corr if rows.start == 0 else (corr - rows.start).clamp_min(0)
+    flat = at * V + tok
+    feats = [(target_argmax.gather(1, corr) == tok).float()]
+    for logits in (verify_logits, draft_logits):
+        probs = logits[:, rows.start: rows.stop].float().softmax(-1)
+        feats.append(probs.view(N, -1).gather(1, flat))
+    return torch.stack(feats, -1)
+
+
 class SuffixMemory:
     def __init__(self, slots: int, block_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", trajectory: bool = True):
@@ -103,8 +120,10 @@ class SuffixMemory:
         a = torch.arange(B, device=device).repeat_interleave(B)
         old, valid, corr = align(a, B, torch.arange(B, device=device).repeat(B))
         self._aligned = torch.stack([old, corr], 1)  # [B*B, 2, B]: old slot j, correction index
+        self._on = valid  # [B*B, B] bool
         self._valid = valid.float()  # [B*B, B]
         self._count = valid.sum(1)  # [B*B]
+        self._count_host = [max(0, min(k, B - 2) - a) for a in range(B) for k in range(B)]  # the same, on the host
 
     def clear(self, slot: int) -> None:
         # corr_index too: the drafter gathers with it even where valid == 0, and a stale index from the
@@ -130,7 +149,7 @@ class SuffixMemory:
             self.write_trajectory(o.batch.slots, o.block[:, 1:], o.target_argmax, o.path_len, o.accepted)
         if o.batch.mode == "retrace":
             self.write(o.batch.slots, p.hidden, o.block, o.path_logits(), p.draft_logits, o.accepted,
-                       o.batch.anchor_pos, o.target_argmax, o.path_len)
+                       o.batch.anchor_pos, o.target_argmax, o.path_len, o.host_accepted)
 
     def forget(self, slots: torch.Tensor) -> None:
         """Clear the rows of `slots` that hold anything (known on the host: no read)."""
@@ -140,36 +159,53 @@ class SuffixMemory:
     def write(self, slots: torch.Tensor, hidden: torch.Tensor | None, block_tokens: torch.Tensor,
               verify_logits: torch.Tensor, draft_logits: torch.Tensor | None, accepted: torch.Tensor,
               anchor_pos: torch.Tensor, target_argmax: torch.Tensor | None = None,
-              verified: torch.Tensor | None = None) -> None:
+              verified: torch.Tensor | None = None, host_accepted: list[int] | None = None) -> None:
         """After a verify. hidden [N,B,d] drafter states (None: no draft call this round, the memory is
         emptied); block_tokens [N,1+S] = [anchor, d_1..d_S]; draft_logits [N,S,V] (slots 1..S);
         verify_logits [N,K+1,V] (K+1 <= B) at slots 0..K; accepted [N]; anchor_pos [N] = p;
         target_argmax [N,K+1] optional (verify_logits.argmax(-1), if the caller has it); verified [N]: the
-        drafts each row sent to the target (default: all K). Only scored drafts are remembered."""
+        drafts each row sent to the target (default: all K). Only scored drafts are remembered.
+        host_accepted: `accepted` on the host (the round's read), with `verified`'s host copy: the features'
+        softmaxes then run over the rows some row keeps only (the same values: each row's softmax is its own)."""
         if hidden is None:
             self.forget(slots)
             return
         self.filled.update(host_values(slots))
         rows = self._rows(slots)
-        B = self.block_size
+        B, S = self.block_size, block_tokens.shape[1] - 1
         K = verify_logits.shape[1] - 1
         if verified is None:
             verified = torch.full_like(accepted, K)
-        key = accepted * B + verified.clamp_max(block_tokens.shape[1] - 2)  # align(accepted, B, that), looked up
+        key = accepted * B + verified.clamp_max(S - 1)  # align(accepted, B, that), looked up
         old, corr = self._aligned[key].unbind(1)
-        valid = self._valid[key]
-        # features of old slots 0..L, the drafts the target scored (L = min(K+1, S)); a kept old slot j is
-        # <= L (j <= verified + 1 <= K + 1 and j <= S), a dropped one reads slot 0 and is zeroed by `valid`
-        L = min(K + 1, block_tokens.shape[1] - 1)
-        feats = suffix_features(block_tokens[:, : L + 1], verify_logits, draft_logits[:, :L], target_argmax)
-        vf = valid.unsqueeze(-1)
-        v = vf.to(self.memory.dtype)
+        on, valid = self._on[key], self._valid[key]
+        if target_argmax is None:
+            target_argmax = verify_logits.argmax(-1)
+        scored = self._scored(host_accepted, getattr(verified, "host_values", None), S, K)
+        v = valid.unsqueeze(-1).to(self.memory.dtype)
         self.memory[rows] = torch.gather(hidden, 1, old.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).to(v.dtype) * v
-        self.features[rows] = torch.gather(feats, 1, old.unsqueeze(-1).expand(-1, -1, feats.shape[-1])) * vf
+        if scored is None:  # no row keeps a slot
+            self.features[rows] = 0
+        else:
+            feats = kept_features(block_tokens, verify_logits, draft_logits, target_argmax, old, corr, scored)
+            self.features[rows] = torch.where(on.unsqueeze(-1), feats, 0)
         self.valid[rows] = valid
         self.corr_index[rows] = corr
         self.count[rows] = self._count[key]
         self.position[rows] = anchor_pos + accepted + 1
+
+    def _scored(self, accepted: list[int] | None, verified: list[int] | None, S: int, K: int) -> range | None:
+        """The verify (and draft-logit) rows t = j - 1 whose features some row keeps, as one range (from the
+        host values: rows a+1 .. a+count of each row; all of 0..min(K, S-1) when they are not known), or None
+        when no row keeps a slot."""
+        if accepted is None or verified is None:
+            return range(min(K, S - 1) + 1)
+        B = self.block_size
+        spans = [(a + 1, a + c) for a, k in zip(accepted, verified, strict=True)
+                 if (c := self._count_host[a * B + min(k, S - 1)]) > 0]
+        if not spans:
+            return None
+        return range(min(lo for lo, _ in spans), max(hi for _, hi in spans) + 1)
 
     def read(self, slots: torch.Tensor) -> SuffixInputs:
         """The memory of `slots` (a contiguous range: views of the buffers, no copy; the next write comes
