@@ -48,6 +48,32 @@ def test_absent_cuda_is_one_clear_error(pair):
     assert "Traceback" not in res.output
 
 
+def test_bench_and_eval_pass_the_device_flags_on(pair, tmp_path, monkeypatch):
+    """`retrace bench` hands --device/--dtype/--compile/--no-cuda-graphs to the torch systems' runtime (the
+    config the lineup builds it from); `retrace eval` hands --device/--dtype to its rollouts."""
+    import retrace.bench.runner as runner
+    import retrace.train.evaluate as evaluate
+
+    seen = {}
+    monkeypatch.setattr(runner, "run_and_report", lambda cfg, *a, **k: seen.__setitem__("bench", cfg) or {})
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a: seen.__setitem__("eval", a) or {})
+    monkeypatch.setattr(evaluate, "format_report", lambda rep: "")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    src = ["--target", str(pair[0]), "--drafter", str(pair[1]), "--prompts", str(prompts)]
+    flags = ["--device", "cpu", "--dtype", "bfloat16"]
+    res = CliRunner().invoke(_main(), ["bench", *src, *flags, "--compile", "--no-cuda-graphs", "--no-build-engine"])
+    assert res.exit_code == 0, res.output
+    cfg = seen["bench"]
+    assert (cfg.device, cfg.dtype, cfg.compile_steps, cfg.cuda_graphs) == ("cpu", "bfloat16", True, False)
+    res = CliRunner().invoke(_main(), ["bench", *src, "--no-build-engine"])
+    assert res.exit_code == 0 and seen["bench"].cuda_graphs is None  # default: the backend's (on CUDA only)
+    res = CliRunner().invoke(_main(), ["eval", *src, *flags])
+    assert res.exit_code == 0, res.output
+    args = seen["eval"]
+    assert args[11] == "cpu" and args[-1] == "bfloat16"  # evaluate(..., threads, device, ..., dtype)
+
+
 def test_bad_names_are_refused():
     with pytest.raises(RetraceError, match="'tpu': the runtime runs on cpu or cuda|not a device"):
         resolve_device("tpu")

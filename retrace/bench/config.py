@@ -50,6 +50,7 @@ class BenchConfig:
     device: str | None = None  # the torch backend's device (None: cpu) and dtype (None: float32)
     dtype: str | None = None
     compile_steps: bool = False  # the torch backend's steps under torch.compile
+    cuda_graphs: bool | None = None  # the torch backend's CUDA graphs (None: on CUDA; False: --no-cuda-graphs)
     command: str = ""
     extra: dict = field(default_factory=dict)
 

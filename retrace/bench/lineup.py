@@ -99,7 +99,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
         log("loading the torch runtime")
         rt = Runtime.from_dirs(cfg.target, cfg.drafter, backend="torch", max_batch=max_batch,
                                max_seq_len=max_seq_len, threads=threads, device=cfg.device, dtype=cfg.dtype,
-                               compile=cfg.compile_steps)
+                               compile=cfg.compile_steps, cuda_graphs=cfg.cuda_graphs)
         _retrace_systems(built, rt, "torch", cfg)
 
     # ours, ONNX Runtime backend, at each precision (fp32: --engine when given)

@@ -86,14 +86,17 @@ def kept_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor, draft
     """`suffix_features` gathered at the memory's new slots, [N, B, 3] (the same bits at the valid slots;
     the others hold whatever their clamped index reads, the caller zeroes them): old / corr [N, B] the old
     slot j and j - 1 per new slot (`align`); rows: the verify / draft-logit rows t = j - 1 the valid slots
-    use. The two temperature-1 softmaxes run over those rows only (row by row as in `suffix_features`)."""
+    use. The two temperature-1 softmaxes run over those rows only (row by row as in `suffix_features`) where
+    that is a view of one piece of memory (one batch row); over all rows otherwise (a copy of the rows would
+    cost more than the rows it saves)."""
     N, V = block_tokens.shape[0], verify_logits.shape[-1]
     tok = block_tokens.gather(1, old)  # d_j at each new slot
-    at = corr if rows.start == 0 else (corr - rows.start).clamp_min(0)
+    start = rows.start if N == 1 else 0
+    at = corr if start == 0 else (corr - start).clamp_min(0)
     flat = at * V + tok
     feats = [(target_argmax.gather(1, corr) == tok).float()]
     for logits in (verify_logits, draft_logits):
-        probs = logits[:, rows.start: rows.stop].float().softmax(-1)
+        probs = (logits[:, start: rows.stop] if N == 1 else logits).float().softmax(-1)
         feats.append(probs.view(N, -1).gather(1, flat))
     return torch.stack(feats, -1)
 
