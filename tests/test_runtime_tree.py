@@ -86,6 +86,29 @@ def test_chains_join_the_tree_along_their_prefix():
     assert int(tree.size[0]) == 8 and len(set(paths(tree, 0))) == 8
 
 
+def test_the_tree_builder_reads_the_host_once():
+    """build_trees brings the top-k, the chains, their drafter probabilities and the sampled drafts back in
+    one read (float64: the ids and float32 probabilities exactly), and with the anchors as host ints reads
+    nothing else; the tree is the one built from the anchors as a tensor."""
+    from test_runtime_device import HostReads
+
+    g = torch.Generator().manual_seed(5)
+    N, S, V = 3, 6, 40
+    probs = torch.softmax(torch.randn(N, S, V, generator=g) * 3, -1)
+    chains = {s: torch.randint(-1, V, (N, S), generator=g) for s in ("suffix", "target")}
+    sampled = torch.where(torch.tensor([[True], [False], [True]]), torch.randint(0, V, (N, S), generator=g), -1)
+    anchors = [4, 9, 17]
+    for kw in ({}, {"sampled": sampled}):
+        reads = HostReads()
+        with reads:
+            tree = build_trees(probs, anchors, 7, ("topk", "suffix", "target"), chains, **kw)
+        assert reads.count == 1
+        ref = build_trees(probs, torch.tensor(anchors), 7, ("topk", "suffix", "target"), chains, **kw)
+        for f in ("tokens", "parent", "depth", "source", "size", "score"):
+            assert torch.equal(getattr(tree, f), getattr(ref, f)), f
+        assert tree.tokens[:, 0].tolist() == anchors
+
+
 def test_ancestor_mask_and_greedy_accept_match_brute_force():
     g = torch.Generator().manual_seed(3)
     N, S, V = 4, 5, 3

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from retrace.errors import RetraceError
+from retrace.runtime.device import host_values, read
 
 SOURCES = ("topk", "suffix", "target")
 SOURCE_BITS = {"topk": 1, "suffix": 2, "target": 4}
@@ -120,7 +121,8 @@ class SourceRates:
 def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, sources: tuple[str, ...],
                 chains: dict[str, torch.Tensor] | None = None, rates: SourceRates | None = None,
                 sampled: torch.Tensor | None = None) -> DraftTree:
-    """draft_probs [N, S, V]: the drafter's distribution at slots 1..S; anchors [N]; chains: source name ->
+    """draft_probs [N, S, V]: the drafter's distribution at slots 1..S; anchors [N] (host ints, or a tensor:
+    one more read); chains: source name ->
     [N, S] tokens at new slots 1..S (-1: none; a chain stops at its first -1). sampled [N, S]: the drafts of
     sampling rows (drawn from the drafter's processed distribution; -1 for greedy rows). -> DraftTree of
     <= budget nodes per row (depth <= S).
@@ -135,22 +137,29 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
     use_topk = "topk" in sources
     chain_names = [s for s in ("suffix", "target") if s in sources and chains is not None and s in chains]
     kmax = min(budget, V)
-    top_p = top_t = None
-    if use_topk and S:
-        top = torch.topk(draft_probs.float(), kmax, dim=-1)
-        top_p, top_t = top.values.tolist(), top.indices.tolist()
     q = draft_probs.float()
-    chain_lists = {s: chains[s][:, :S].tolist() for s in chain_names}
-    # the drafter's probability of each chain token (for the score s * max(q, rate))
-    chain_q = {}
+    # what the host walk needs, read at once: the top-k, each chain and the drafter's probability of its
+    # tokens (for the score s * max(q, rate)), the sampled drafts; as float64 (token ids and float32
+    # probabilities exactly), split back on the host
+    parts: dict[str, torch.Tensor] = {}
+    if use_topk and S:
+        top = torch.topk(q, kmax, dim=-1)
+        parts["top_p"], parts["top_t"] = top.values, top.indices
     for s in chain_names:
         c = chains[s][:, :S]
-        chain_q[s] = q.gather(2, c.clamp_min(0).unsqueeze(-1)).squeeze(-1).tolist()
+        parts[s], parts["q_" + s] = c, q.gather(2, c.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    if sampled is not None:
+        parts["sampled"] = sampled[:, :S]
+    host = _read_rows(parts, N)
+    top_p, top_t = host.get("top_p"), host.get("top_t")
+    chain_lists = {s: host[s] for s in chain_names}
+    chain_q = {s: host["q_" + s] for s in chain_names}
     chain_rate = {s: rates.rate(s) for s in chain_names}
-    if sampled is not None and bool((sampled[:, 0] >= 0).any()):
-        chain_lists["sampled"] = sampled[:, :S].tolist()
+    if sampled is not None and any(row[0] >= 0 for row in host["sampled"] if row):
+        chain_lists["sampled"] = host["sampled"]
         chain_q["sampled"] = [[0.0] * S for _ in range(N)]
         chain_rate["sampled"] = rates.rate("topk")
+    anchors = host_values(anchors) if isinstance(anchors, torch.Tensor) else anchors
     rows = []
     for n in range(N):
         rows.append(_build_row(n, int(anchors[n]), budget, S, top_p, top_t, chain_lists, chain_q, chain_rate))
@@ -163,6 +172,25 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
     score = torch.tensor(padded(4), dtype=torch.float64, device=dev)
     size = torch.tensor([len(r[0]) for r in rows], dtype=torch.int64, device=dev)
     return DraftTree(*fields, size, score)
+
+
+def _read_rows(parts: dict[str, torch.Tensor], N: int) -> dict[str, list]:
+    """name -> [N, ...] tensor => name -> its rows as host lists (integer tensors as ints), one read for all."""
+    if not parts:
+        return {}
+    flat = read(torch.cat([t.reshape(N, -1).double() for t in parts.values()], 1)) if N else []
+    out, at = {}, 0
+    for name, t in parts.items():
+        width, shape, integral = t[0].numel() if N else 0, t.shape[1:], not t.is_floating_point()
+        # [N, S, k] rows come back as S lists of k, [N, S] rows as one list
+        rows = []
+        for row in flat:
+            vals = row[at: at + width]
+            if integral:
+                vals = [int(v) for v in vals]
+            rows.append([vals[i: i + shape[1]] for i in range(0, width, shape[1])] if len(shape) == 2 else vals)
+        out[name], at = rows, at + width
+    return out
 
 
 def _build_row(n, anchor, budget, S, top_p, top_t, chain_lists, chain_q, chain_rate):
