@@ -175,16 +175,17 @@ class SuffixMemory:
             return
         self.filled.update(host_values(slots))
         rows = self._rows(slots)
-        B, S = self.block_size, block_tokens.shape[1] - 1
+        S = block_tokens.shape[1] - 1
         K = verify_logits.shape[1] - 1
         if verified is None:
             verified = torch.full_like(accepted, K)
-        key = accepted * B + verified.clamp_max(S - 1)  # align(accepted, B, that), looked up
+        host_verified = getattr(verified, "host_values", None)
+        key = self._key(accepted, verified, S, host_accepted, host_verified)  # align(accepted, B, that), looked up
         old, corr = self._aligned[key].unbind(1)
         on, valid = self._on[key], self._valid[key]
         if target_argmax is None:
             target_argmax = verify_logits.argmax(-1)
-        scored = self._scored(host_accepted, getattr(verified, "host_values", None), S, K)
+        scored = self._scored(host_accepted, host_verified, S, K)
         v = valid.unsqueeze(-1).to(self.memory.dtype)
         self.memory[rows] = torch.gather(hidden, 1, old.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).to(v.dtype) * v
         if scored is None:  # no row keeps a slot
@@ -196,6 +197,16 @@ class SuffixMemory:
         self.corr_index[rows] = corr
         self.count[rows] = self._count[key]
         self.position[rows] = anchor_pos + accepted + 1
+
+    def _key(self, accepted: torch.Tensor, verified: torch.Tensor, S: int, host_accepted: list[int] | None,
+             host_verified: list[int] | None) -> torch.Tensor | slice:
+        """The rows of the alignment tables for (accepted, min(verified, S-1)): from the host values when
+        they are known (one batch row: a slice, so the lookups are views), else computed on the device."""
+        B = self.block_size
+        if host_accepted is None or host_verified is None:
+            return accepted * B + verified.clamp_max(S - 1)
+        keys = [a * B + min(k, S - 1) for a, k in zip(host_accepted, host_verified, strict=True)]
+        return slice(keys[0], keys[0] + 1) if len(keys) == 1 else torch.tensor(keys, device=accepted.device)
 
     def _scored(self, accepted: list[int] | None, verified: list[int] | None, S: int, K: int) -> range | None:
         """The verify (and draft-logit) rows t = j - 1 whose features some row keeps, as one range (from the
