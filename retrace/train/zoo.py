@@ -75,12 +75,18 @@ PRESETS: dict[str, dict] = {
 # zoo-release`). The measurements behind each: docs/training-objective.md.
 DEFAULT_RECIPE = "shipped"
 _ACCEPT = {"objective": "accept"}
+_ACCEPT_2L = dict(_ACCEPT, num_layers=2, target_layer_ids=[2])
 RECIPES: dict[str, dict[str, dict]] = {
     DEFAULT_RECIPE: {},
     # measured: held-out T=0 pooled tau 3.18 vs 2.27 at the zoo's 1000 steps and cost (the recommended recipe)
     "accept": {"dflash": _ACCEPT, "conditioner": _ACCEPT},
     # measured to 500 of its 1000 steps only: val tau_est 4.42 vs 3.53 for "accept" at step 500
-    "accept-2l": {"dflash": dict(_ACCEPT, num_layers=2, target_layer_ids=[2]), "conditioner": _ACCEPT},
+    "accept-2l": {"dflash": _ACCEPT_2L, "conditioner": _ACCEPT},
+    # T=1: the drafter trained on the target's distribution at every slot (KL) instead of its greedy token
+    "accept-2l-soft": {"dflash": dict(_ACCEPT_2L, soft_labels=True), "conditioner": _ACCEPT},
+    # and slots weighted by their T=1 reach (the overlaps), a quarter of the responses sampled at T=1
+    "accept-2l-overlap": {"dflash": dict(_ACCEPT_2L, objective="accept-overlap", soft_labels=True,
+                                         gen_sample_frac=0.25), "conditioner": _ACCEPT},
 }
 
 
