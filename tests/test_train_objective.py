@@ -99,6 +99,27 @@ def test_gradients_are_finite_and_flow_through_the_label_slots_only(objective, s
     assert logits.grad[0, 1, 3:].abs().sum() == 0  # slots without a label
 
 
+def test_accept_overlap_weighs_slots_by_their_t1_acceptance():
+    # the overlap sum_x min(p, q): the chance that a draft sampled from q survives T=1 verification against p
+    q, p = torch.tensor([0.8, 0.1, 0.1]).log(), torch.tensor([0.5, 0.5, 0.0]).log()
+    assert ob.overlap_logp(q, p).exp().item() == pytest.approx(0.6)
+    logits, labels, bw, decay = _case()
+    # hard labels: the overlap of a one-hot label and q is q(label), so the objective is `accept`
+    assert torch.equal(bl.block_loss(logits, labels, decay, bw, objective="accept-overlap")[0],
+                       bl.block_loss(logits, labels, decay, bw, objective="accept")[0])
+    # soft labels: slot k weighs prod_{j<k} overlap_j, the loss stays the KL to the target
+    target = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9))
+    loss, st = bl.block_loss(logits, labels, decay, bw, target, "accept-overlap")
+    q, p = logits.softmax(-1), target.softmax(-1)
+    ov = torch.minimum(p, q).sum(-1)
+    kl = (p * (p.log() - q.log())).sum(-1)
+    present = (labels != bl.IGNORE).float() * bw.unsqueeze(-1)
+    reach = torch.cumprod(torch.cat([torch.ones_like(ov[..., :1]), (ov * present)[..., :-1]], -1), -1) * present
+    assert st["weight_sum"] == pytest.approx(reach.sum().item(), rel=1e-5)
+    assert loss.item() == pytest.approx(((kl * reach).sum() / reach.sum()).item(), rel=1e-5)
+    assert loss.item() != pytest.approx(bl.block_loss(logits, labels, decay, bw, target, "accept")[0].item())
+
+
 def test_the_default_objective_is_todays_loss_bit_for_bit():
     logits, labels, bw, decay = _case()
     present = (labels != bl.IGNORE).float() * bw.unsqueeze(-1)
