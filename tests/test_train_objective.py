@@ -156,19 +156,28 @@ def test_training_with_the_accept_objective_records_it_and_resumes_only_with_it(
     assert m["history"][-1]["val_loss"] < m["history"][0]["val_loss"]
 
 
-def test_zoo_recipes_change_only_the_trainers_settings_and_the_shipped_one_is_the_presets():
-    from retrace.errors import RetraceError as Err
-    from retrace.train import zoo
+LEGACY_RECIPE_SHA256 = "ec3e4b39c7b736dab4929dde45f02018ea38bef5bb6250f34062b6003f2fad1d"  # the zoo shipped before
 
-    assert zoo.preset("small") is zoo.PRESETS["small"]  # the shipped zoo's key and release record are unchanged
-    for name, change in zoo.RECIPES.items():
-        got = zoo.preset("small", name)
-        assert set(change) <= {"dflash", "conditioner"} and got["eval"] == zoo.PRESETS["small"]["eval"]
+
+def test_zoo_recipes_change_only_the_trainers_settings_and_the_shipped_one_is_the_presets():
+    from retrace.engines.bundle import manifest_digest
+    from retrace.errors import RetraceError as Err
+    from retrace.train import zoo, zoo_release
+
+    assert zoo.preset("small") is zoo.PRESETS["small"]  # the shipped zoo's key and release record
+    assert zoo.PRESETS["small"] == zoo.preset("small", zoo.SHIPPED_AS["small"])  # built by a named recipe
+    # `--recipe legacy` is exactly the recipe of the zoo shipped before (its release record's digest)
+    assert manifest_digest(zoo_release.recipe("small", 0, "legacy")) == LEGACY_RECIPE_SHA256
+    base = zoo.preset("small", "legacy")
+    others = [n for n in zoo.RECIPES if n != zoo.DEFAULT_RECIPE]
+    for name in others:
+        change, got = zoo.RECIPES[name], zoo.preset("small", name)
+        assert set(change) <= {"dflash", "conditioner"} and got["eval"] == base["eval"]
         for stage in ("dflash", "conditioner"):
-            assert got[stage] == dict(zoo.PRESETS["small"][stage], **change.get(stage, {}))
+            assert got[stage] == dict(base[stage], **change.get(stage, {}))
         DFlashConfig(**got["dflash"])  # every recipe is valid trainer configs
         ConditionerConfig(**got["conditioner"])
-    keys = [zoo.zoo_key("small", 0, zoo.preset("small", n), "portable") for n in zoo.RECIPES]
+    keys = [zoo.zoo_key("small", 0, zoo.preset("small", n), "portable") for n in others]
     assert all(keys.count(k) == 1 for k in keys)  # each recipe's zoo is its own cache entry
     with pytest.raises(Err, match="unknown zoo recipe 'best'"):
         zoo.preset("small", "best")
