@@ -99,6 +99,27 @@ def test_gradients_are_finite_and_flow_through_the_label_slots_only(objective, s
     assert logits.grad[0, 1, 3:].abs().sum() == 0  # slots without a label
 
 
+def test_accept_overlap_weighs_slots_by_their_t1_acceptance():
+    # the overlap sum_x min(p, q): the chance that a draft sampled from q survives T=1 verification against p
+    q, p = torch.tensor([0.8, 0.1, 0.1]).log(), torch.tensor([0.5, 0.5, 0.0]).log()
+    assert ob.overlap_logp(q, p).exp().item() == pytest.approx(0.6)
+    logits, labels, bw, decay = _case()
+    # hard labels: the overlap of a one-hot label and q is q(label), so the objective is `accept`
+    assert torch.equal(bl.block_loss(logits, labels, decay, bw, objective="accept-overlap")[0],
+                       bl.block_loss(logits, labels, decay, bw, objective="accept")[0])
+    # soft labels: slot k weighs prod_{j<k} overlap_j, the loss stays the KL to the target
+    target = torch.randn(logits.shape, generator=torch.Generator().manual_seed(9))
+    loss, st = bl.block_loss(logits, labels, decay, bw, target, "accept-overlap")
+    q, p = logits.softmax(-1), target.softmax(-1)
+    ov = torch.minimum(p, q).sum(-1)
+    kl = (p * (p.log() - q.log())).sum(-1)
+    present = (labels != bl.IGNORE).float() * bw.unsqueeze(-1)
+    reach = torch.cumprod(torch.cat([torch.ones_like(ov[..., :1]), (ov * present)[..., :-1]], -1), -1) * present
+    assert st["weight_sum"] == pytest.approx(reach.sum().item(), rel=1e-5)
+    assert loss.item() == pytest.approx(((kl * reach).sum() / reach.sum()).item(), rel=1e-5)
+    assert loss.item() != pytest.approx(bl.block_loss(logits, labels, decay, bw, target, "accept")[0].item())
+
+
 def test_the_default_objective_is_todays_loss_bit_for_bit():
     logits, labels, bw, decay = _case()
     present = (labels != bl.IGNORE).float() * bw.unsqueeze(-1)
@@ -135,19 +156,28 @@ def test_training_with_the_accept_objective_records_it_and_resumes_only_with_it(
     assert m["history"][-1]["val_loss"] < m["history"][0]["val_loss"]
 
 
-def test_zoo_recipes_change_only_the_trainers_settings_and_the_shipped_one_is_the_presets():
-    from retrace.errors import RetraceError as Err
-    from retrace.train import zoo
+LEGACY_RECIPE_SHA256 = "ec3e4b39c7b736dab4929dde45f02018ea38bef5bb6250f34062b6003f2fad1d"  # the zoo shipped before
 
-    assert zoo.preset("small") is zoo.PRESETS["small"]  # the shipped zoo's key and release record are unchanged
-    for name, change in zoo.RECIPES.items():
-        got = zoo.preset("small", name)
-        assert set(change) <= {"dflash", "conditioner"} and got["eval"] == zoo.PRESETS["small"]["eval"]
+
+def test_zoo_recipes_change_only_the_trainers_settings_and_the_shipped_one_is_the_presets():
+    from retrace.engines.bundle import manifest_digest
+    from retrace.errors import RetraceError as Err
+    from retrace.train import zoo, zoo_release
+
+    assert zoo.preset("small") is zoo.PRESETS["small"]  # the shipped zoo's key and release record
+    assert zoo.PRESETS["small"] == zoo.preset("small", zoo.SHIPPED_AS["small"])  # built by a named recipe
+    # `--recipe legacy` is exactly the recipe of the zoo shipped before (its release record's digest)
+    assert manifest_digest(zoo_release.recipe("small", 0, "legacy")) == LEGACY_RECIPE_SHA256
+    base = zoo.preset("small", "legacy")
+    others = [n for n in zoo.RECIPES if n != zoo.DEFAULT_RECIPE]
+    for name in others:
+        change, got = zoo.RECIPES[name], zoo.preset("small", name)
+        assert set(change) <= {"dflash", "conditioner"} and got["eval"] == base["eval"]
         for stage in ("dflash", "conditioner"):
-            assert got[stage] == dict(zoo.PRESETS["small"][stage], **change.get(stage, {}))
+            assert got[stage] == dict(base[stage], **change.get(stage, {}))
         DFlashConfig(**got["dflash"])  # every recipe is valid trainer configs
         ConditionerConfig(**got["conditioner"])
-    keys = [zoo.zoo_key("small", 0, zoo.preset("small", n), "portable") for n in zoo.RECIPES]
+    keys = [zoo.zoo_key("small", 0, zoo.preset("small", n), "portable") for n in others]
     assert all(keys.count(k) == 1 for k in keys)  # each recipe's zoo is its own cache entry
     with pytest.raises(Err, match="unknown zoo recipe 'best'"):
         zoo.preset("small", "best")

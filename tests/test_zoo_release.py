@@ -121,3 +121,18 @@ def test_install_keeps_a_zoo_of_another_seed_without_force(tmp_path, rel):
     assert json.loads((out / "manifest.json").read_text())["seed"] == 1  # untouched
     zoo_release.install(out, force=True, progress=False)
     assert zoo_release.problems(out, rel) == []
+
+
+def _man(pooled, eval_settings=None):
+    tau = {T: {"dflash": p, "retrace": p, "dflash_pooled": p, "retrace_pooled": p} for T, p in pooled.items()}
+    return {"size": "small", "seed": 0, "key": {"preset": {"eval": eval_settings or {"n_prompts": 128}}},
+            "eval_prompts": {"n": 128}, "metrics": {"tau": tau, "eval": {}}}
+
+
+def test_the_baseline_record_compares_pooled_tau_on_the_same_prompts_only():
+    rec = zoo_release.baseline_record(_man({"T0": 3.0, "T1": 1.5}), _man({"T0": 2.0, "T1": 1.25}), "legacy")
+    assert rec["recipe"] == "legacy" and rec["tau"]["T0"]["dflash_pooled"] == 2.0
+    assert rec["pooled_tau_ratio"] == {"T0": {"dflash_pooled": 1.5, "retrace_pooled": 1.5},
+                                       "T1": {"dflash_pooled": 1.2, "retrace_pooled": 1.2}}
+    with pytest.raises(ZooReleaseError, match="other prompts or settings"):
+        zoo_release.baseline_record(_man({"T0": 3.0}), _man({"T0": 2.0}, {"n_prompts": 64}), "legacy")

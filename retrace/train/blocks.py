@@ -123,6 +123,8 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     if objective != objectives.DEFAULT:
         if target_logits is None:
             label_logp = -per_slot.detach()
+        elif objective == "accept-overlap":
+            label_logp = objectives.overlap_logp(logits, target_logits)
         else:
             label_logp = logits.detach().float().log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1))[..., 0]
     w = objectives.slot_weights(objective, weights, present, label_logp)

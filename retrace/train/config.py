@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from retrace.train.options import setting
 
 # the drafter objectives (retrace.train.objectives), named here so that the CLI needs no torch
-OBJECTIVES = ("decay", "accept", "accept-decay", "first-error")
+OBJECTIVES = ("decay", "accept", "accept-decay", "first-error", "accept-overlap")
 DEFAULT_OBJECTIVE = "decay"
 
 # the settings the drafter and the conditioner trainers share: one meaning, each trainer its own default
@@ -31,7 +31,9 @@ _SHARED = {
     "grad_clip": "gradient-norm clipping",
     "gamma": "loss weight decay exp(-(k-1)/gamma) over the block's slots (default 7 for B=16)",
     "objective": "slot weights of the loss: decay (exp(-(k-1)/gamma)), accept (the drafter's own probability that "
-                 "the slot is reached), accept-decay (both), first-error (reached and wrong: a focal loss); see "
+                 "the slot is reached), accept-decay (both), first-error (reached and wrong: a focal loss), "
+                 "accept-overlap (accept, a slot accepted with the overlap sum min(p, q) of the drafter and the "
+                 "label distribution: T=1 acceptance with --soft-labels); see "
                  "retrace.train.objectives",
     "stop_after": "end this run after N more steps (dflash) / phases (conditioner), checkpointed; --resume "
                   "continues",

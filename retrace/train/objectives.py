@@ -11,6 +11,10 @@ With p_j the drafter's probability of slot j's label (its chance to propose the 
 * ``accept-decay``: both factors, exp(-(k-1)/gamma) * prod_{j<k} p_j.
 * ``first-error``: prod_{j<k} p_j * (1 - p_k)^2: the reached slots the drafter still gets wrong, a focal loss on
   the block's first error (after arXiv 2606.11552).
+* ``accept-overlap``: the ``accept`` weights with p_j the overlap sum_x min(p_j(x), q_j(x)) of the drafter's
+  distribution q_j and the slot's label distribution p_j: the probability that slot j is accepted when sampling
+  at T=1 (1 - total variation). With soft labels (the target's distribution) that is the T=1 reach; with hard
+  labels the overlap is q_j(label), so it equals ``accept``.
 
 Weights are computed without gradient; `blocks.block_loss` normalises the weighted sum by their total.
 """
@@ -38,13 +42,21 @@ def slot_weights(objective: str, decay: torch.Tensor, present: torch.Tensor,
         raise ValueError(f"objective {objective!r} needs the labels' log-probabilities")
     p = label_logp.detach().float().exp() * present
     reach = torch.cumprod(torch.cat([torch.ones_like(p[..., :1]), p[..., :-1]], dim=-1), dim=-1)
-    if objective == "accept":
+    if objective in ("accept", "accept-overlap"):
         w = reach
     elif objective == "accept-decay":
         w = decay.view(1, 1, -1) * reach
     else:  # first-error
         w = reach * (1.0 - p).clamp_min(0.0) ** FOCAL_POWER
     return w * present
+
+
+def overlap_logp(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """log sum_x min(p(x), q(x)) over the last dim: drafter logits -> q, target logits -> p (no gradient); the
+    probability that a draft sampled from q is accepted against p (the ``accept-overlap`` slot probability)."""
+    with torch.no_grad():
+        q, p = logits.float().softmax(-1), target_logits.float().softmax(-1)
+        return torch.minimum(p, q).sum(-1).clamp_min(1e-30).log()
 
 
 def expected_accepted(label_logp: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
@@ -54,4 +66,4 @@ def expected_accepted(label_logp: torch.Tensor, present: torch.Tensor) -> torch.
     return torch.cumprod(p, dim=-1).sum(-1)
 
 
-__all__ = ["OBJECTIVES", "DEFAULT", "slot_weights", "expected_accepted"]
+__all__ = ["OBJECTIVES", "DEFAULT", "slot_weights", "overlap_logp", "expected_accepted"]

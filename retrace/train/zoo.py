@@ -38,8 +38,9 @@ KIND = "zoo"  # the owner-marker kind (retrace.output_dir)
 _ZOO_ENTRIES = {"target", "drafter", "prompts", "data", "draft-ar", MANIFEST, "release.json"}
 
 # Per size: drafter, conditioner and evaluation settings (sized for 2 CPU cores: see the module README
-# notes in the manifest's "timings").
-PRESETS: dict[str, dict] = {
+# notes in the manifest's "timings"). These are the base of every recipe (RECIPES) and the settings of the zoo
+# shipped before the acceptance-aligned recipe (`--recipe legacy`); PRESETS (below) is what ships now.
+_BASE: dict[str, dict] = {
     "test": {
         "dflash": dict(block_size=8, num_layers=1, steps=30, batch_size=8, blocks_per_seq=8, num_prompts=96,
                        val_prompts=16, max_new_tokens=32, gen_batch=48, eval_every=0, save_every=0,
@@ -69,30 +70,47 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# Drafter recipes: changes of a size's "dflash" and "conditioner" settings, chosen by `retrace zoo tiny --train
-# --recipe NAME`. "shipped" is the recipe of the shipped zoo (retrace/train/shipped/, pinned by its release
-# record): making another one the default means moving its settings into PRESETS and re-releasing (`make
-# zoo-release`). The measurements behind each: docs/training-objective.md.
+# Drafter recipes: changes of a size's base "dflash" and "conditioner" settings, chosen by `retrace zoo tiny
+# --train --recipe NAME`. "shipped" (the default) is PRESETS[size]: the small zoo is built by SHIPPED_AS, the
+# recipe of the shipped zoo (retrace/train/shipped/, pinned by its release record; changing it means
+# re-releasing: `make zoo-release`); "legacy" is the base itself, the recipe shipped before. The measurements
+# behind each: docs/training-objective.md.
 DEFAULT_RECIPE = "shipped"
 _ACCEPT = {"objective": "accept"}
+_ACCEPT_2L = dict(_ACCEPT, num_layers=2, target_layer_ids=[2])
 RECIPES: dict[str, dict[str, dict]] = {
-    DEFAULT_RECIPE: {},
-    # measured: held-out T=0 pooled tau 3.18 vs 2.27 at the zoo's 1000 steps and cost (the recommended recipe)
+    DEFAULT_RECIPE: {},  # PRESETS[size]
+    "legacy": {},  # the base: DFlash's position decay, one layer (the zoo shipped until 2026-12-01)
+    # measured: held-out T=0 pooled tau 3.18 vs 2.27 at the zoo's 1000 steps and cost
     "accept": {"dflash": _ACCEPT, "conditioner": _ACCEPT},
-    # measured to 500 of its 1000 steps only: val tau_est 4.42 vs 3.53 for "accept" at step 500
-    "accept-2l": {"dflash": dict(_ACCEPT, num_layers=2, target_layer_ids=[2]), "conditioner": _ACCEPT},
+    # measured: T=0 pooled tau 3.76, T=1 1.39 (a draft call 1.11 decodes against 1.00 for one layer)
+    "accept-2l": {"dflash": _ACCEPT_2L, "conditioner": _ACCEPT},
+    # T=1: the drafter trained on the target's distribution at every slot (KL) instead of its greedy token
+    "accept-2l-soft": {"dflash": dict(_ACCEPT_2L, soft_labels=True), "conditioner": _ACCEPT},
+    # and slots weighted by their T=1 reach (the overlaps), a quarter of the responses sampled at T=1
+    "accept-2l-overlap": {"dflash": dict(_ACCEPT_2L, objective="accept-overlap", soft_labels=True,
+                                         gen_sample_frac=0.25), "conditioner": _ACCEPT},
 }
+SHIPPED_AS = {"test": "legacy", "small": "legacy"}  # the recipe each size's shipped settings come from
+
+
+def _apply(base: dict, change: dict) -> dict:
+    return {stage: dict(s, **change.get(stage, {})) for stage, s in base.items()}
+
+
+PRESETS: dict[str, dict] = {size: _apply(_BASE[size], RECIPES[SHIPPED_AS[size]]) for size in _BASE}
 
 
 def preset(size: str, recipe: str = DEFAULT_RECIPE) -> dict:
-    """The settings of a zoo of this size built by this drafter recipe (the shipped one: PRESETS[size])."""
+    """The settings of a zoo of this size built by this drafter recipe (the shipped one: PRESETS[size]; another:
+    the base settings with the recipe's changes)."""
     if size not in PRESETS:
         raise RetraceError(f"unknown zoo size {size!r} (choose from {', '.join(PRESETS)})")
     if recipe not in RECIPES:
         raise RetraceError(f"unknown zoo recipe {recipe!r} (choose from {', '.join(RECIPES)})")
-    if not RECIPES[recipe]:
+    if recipe == DEFAULT_RECIPE:
         return PRESETS[size]
-    return {stage: dict(s, **RECIPES[recipe].get(stage, {})) for stage, s in PRESETS[size].items()}
+    return _apply(_BASE[size], RECIPES[recipe])
 
 
 def _versions() -> dict:

@@ -47,12 +47,13 @@ def release_dir(size: str, seed: int) -> Path:
     return SHIPPED / f"{size}-seed{int(seed)}"
 
 
-def recipe(size: str, seed: int) -> dict:
-    """What the code on this checkout decides about the zoo of (size, seed): its build key without library
-    versions and machine paths (those are recorded in built_with, not compared)."""
-    from retrace.train.zoo import PRESETS, zoo_key
+def recipe(size: str, seed: int, name: str | None = None) -> dict:
+    """What the code on this checkout decides about the zoo of (size, seed) (built by the recipe `name`, default
+    the shipped one): its build key without library versions and machine paths (those are recorded in
+    built_with, not compared)."""
+    from retrace.train.zoo import DEFAULT_RECIPE, preset, zoo_key
 
-    key = zoo_key(size, seed, PRESETS[size], "portable")
+    key = zoo_key(size, seed, preset(size, name or DEFAULT_RECIPE), "portable")
     key.pop("versions", None)
     train = {k: v for k, v in key["target_stage"]["train"].items() if k not in ("versions", "stdlib")}
     key["target_stage"] = dict(key["target_stage"], train=train)
@@ -133,8 +134,24 @@ def install(out: str | Path, size: str = "small", seed: int = 0, force: bool = F
     return dict(json.loads((out / "manifest.json").read_text()), cached=False, release=rel["name"])
 
 
-def write(zoo: str | Path, command: str, dest: Path | None = None) -> dict:
-    """Make `zoo` (a finished `retrace zoo tiny --train` build) the shipped release of its size and seed."""
+def baseline_record(man: dict, base: dict, name: str) -> dict:
+    """The evaluation of the zoo `base` (its manifest, e.g. a `--recipe legacy` build) beside the zoo `man` on the
+    same held-out prompts and settings: what the release's manifest records as `compared_with`."""
+    same = ("size", "seed")
+    if any(man.get(k) != base.get(k) for k in same) or man["key"]["preset"]["eval"] != base["key"]["preset"]["eval"] \
+            or man.get("eval_prompts") != base.get("eval_prompts"):
+        raise ZooReleaseError(f"the baseline zoo ({name}) was evaluated on other prompts or settings than the zoo "
+                              "(size, seed, eval settings and prompts must be the same)")
+    tau, btau = man["metrics"]["tau"], base["metrics"]["tau"]
+    ratio = {T: {f"{m}_pooled": round(tau[T][f"{m}_pooled"] / btau[T][f"{m}_pooled"], 4)
+                 for m in ("dflash", "retrace")} for T in tau if T in btau}
+    return {"recipe": base.get("recipe", {}).get("name", name), "preset": base["key"]["preset"],
+            "tau": btau, "eval": base["metrics"].get("eval"), "pooled_tau_ratio": ratio}
+
+
+def write(zoo: str | Path, command: str, dest: Path | None = None, baseline: str | Path | None = None) -> dict:
+    """Make `zoo` (a finished `retrace zoo tiny --train` build) the shipped release of its size and seed;
+    `baseline`: a zoo of another recipe evaluated the same way, recorded in the shipped manifest (compared_with)."""
     from retrace.train.zoo import REQUIRED, read_manifest
 
     zoo = Path(zoo)
@@ -145,23 +162,35 @@ def write(zoo: str | Path, command: str, dest: Path | None = None) -> dict:
     size, seed = man["size"], int(man["seed"])
     if man.get("key", {}).get("numerics") != "portable":
         raise ZooReleaseError(f"{zoo}: only a portable-numerics build can ship (it is the one a retrain reproduces)")
+    key = recipe(size, seed)
+    if {k: v for k, v in man["key"].items() if k not in ("versions", "target_stage")} != {
+            k: v for k, v in key.items() if k != "target_stage"}:
+        raise ZooReleaseError(f"{zoo}: built by other settings than the code's shipped recipe (PRESETS)")
+    compared = None
+    if baseline is not None:
+        bman = read_manifest(baseline)
+        if bman is None:
+            raise ZooReleaseError(f"{baseline}: not a finished zoo (no manifest.json)")
+        compared = baseline_record(man, bman, str(baseline))
     names = sorted(str(p.relative_to(zoo).as_posix()) for p in zoo.rglob("*")
                    if p.is_file() and p.name not in (".retrace-output.json", RELEASE) and "draft-ar" not in p.parts)
     dest = Path(dest) if dest is not None else release_dir(size, seed)
-    key = recipe(size, seed)
-    rel = {"format": FORMAT, "name": f"{size}-seed{seed}", "size": size, "seed": seed,
-           "recipe": key, "recipe_sha256": manifest_digest(key),
-           "built_with": {"command": command, "versions": man.get("versions"), "numerics": man.get("numerics"),
-                          "stdlib": man["key"]["target_stage"]["train"].get("stdlib"),
-                          "timings_s": {k: man.get("timings", {}).get(k) for k in ("total_s", "cpu_s")}},
-           "files": hash_files(zoo, names),
-           "reproducible": [n for n in names if n not in NOT_REPRODUCIBLE]}
-    rel["release_sha256"] = manifest_digest(rel)
     staging = dest.with_name(f".{dest.name}.writing")
     shutil.rmtree(staging, ignore_errors=True)
     for name in names:
         (staging / "zoo" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(zoo / name, staging / "zoo" / name)
+    if compared is not None:
+        (staging / "zoo" / "manifest.json").write_text(
+            json.dumps(dict(man, compared_with=compared), indent=2, ensure_ascii=False) + "\n")
+    rel = {"format": FORMAT, "name": f"{size}-seed{seed}", "size": size, "seed": seed,
+           "recipe": key, "recipe_sha256": manifest_digest(key),
+           "built_with": {"command": command, "versions": man.get("versions"), "numerics": man.get("numerics"),
+                          "stdlib": man["key"]["target_stage"]["train"].get("stdlib"),
+                          "timings_s": {k: man.get("timings", {}).get(k) for k in ("total_s", "cpu_s")}},
+           "files": hash_files(staging / "zoo", names),
+           "reproducible": [n for n in names if n not in NOT_REPRODUCIBLE]}
+    rel["release_sha256"] = manifest_digest(rel)
     (staging / RELEASE).write_text(json.dumps(rel, indent=1) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
@@ -184,6 +213,6 @@ def _log(progress: bool, msg: str) -> None:
         print(f"[zoo] {msg}", file=sys.stderr, flush=True)
 
 
-if __name__ == "__main__":  # python -m retrace.train.zoo_release ZOO "COMMAND": make ZOO the shipped release
-    r = write(sys.argv[1], sys.argv[2])
+if __name__ == "__main__":  # python -m retrace.train.zoo_release ZOO "COMMAND" [BASELINE_ZOO]: ZOO ships
+    r = write(sys.argv[1], sys.argv[2], baseline=sys.argv[3] if len(sys.argv) > 3 else None)
     print(f"wrote {release_dir(r['size'], r['seed'])}: {len(r['files'])} files, recipe {r['recipe_sha256'][:12]}")
