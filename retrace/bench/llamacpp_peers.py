@@ -10,10 +10,13 @@ llama-cpp-python neither builds nor exposes (its Python API takes only a draft c
 peers of this bench. Batch 1 only: the high-level API decodes one sequence.
 
 The GGUF: the target's HF directory converted by llama.cpp's own `convert_hf_to_gguf.py` (with its
-`gguf-py`) to f16, then `llama_model_quantize` (the library's quantizer, what `llama-quantize` runs) to the
-type, cached per target content. The converter comes from a llama.cpp source tree: $LLAMA_CPP_SRC, e.g. the
-`vendor/llama.cpp` of llama-cpp-python's source distribution (`pip download --no-deps --no-binary :all:
-llama-cpp-python`). Missing pieces skip the systems with a row that says how to install them.
+`gguf-py`; run through retrace.bench.llamacpp_convert, which names the tokenizer's pre-tokenizer where
+llama.cpp does not know its hash) to f16, then `llama_model_quantize` (the library's quantizer, what
+`llama-quantize` runs) to the type, cached per target content. The converter comes from a llama.cpp source
+tree: $LLAMA_CPP_SRC, else the `vendor/llama.cpp` of llama-cpp-python's source distribution that `make
+llama-src` unpacks into .cache/llama-cpp-src (`pip download --no-deps --no-binary :all:
+llama-cpp-python==<installed version>`). Missing pieces skip the systems with a row that says how to
+install them.
 """
 
 from __future__ import annotations
@@ -44,13 +47,17 @@ def _llama_cpp():
     return llama_cpp
 
 
+# where `make llama-src` unpacks the installed llama-cpp-python's source distribution
+DEFAULT_SRC = Path(__file__).parents[2] / ".cache" / "llama-cpp-src" / "vendor" / "llama.cpp"
+
+
 def _converter() -> Path:
     src = os.environ.get("LLAMA_CPP_SRC")
-    script = Path(src) / "convert_hf_to_gguf.py" if src else None
-    if script is None or not script.is_file() or not (script.parent / "gguf-py").is_dir():
-        raise RetraceError("no llama.cpp converter: set LLAMA_CPP_SRC to a llama.cpp source tree with "
-                           "convert_hf_to_gguf.py and gguf-py (the vendor/llama.cpp of `pip download --no-deps "
-                           "--no-binary :all: llama-cpp-python`, unpacked)")
+    script = (Path(src) if src else DEFAULT_SRC) / "convert_hf_to_gguf.py"
+    if not script.is_file() or not (script.parent / "gguf-py").is_dir():
+        raise RetraceError("no llama.cpp converter: run `make llama-src` or set LLAMA_CPP_SRC to a llama.cpp "
+                           "source tree with convert_hf_to_gguf.py and gguf-py (the vendor/llama.cpp of `pip "
+                           "download --no-deps --no-binary :all: llama-cpp-python`, unpacked)")
     return script
 
 
@@ -69,10 +76,10 @@ def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path
         script = _converter()
         log(f"converting {target_dir} to GGUF (llama.cpp's convert_hf_to_gguf.py)")
         tmp = f16.with_suffix(".tmp")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"),
-                                                             os.environ.get("PYTHONPATH", "")])}
-        res = subprocess.run([sys.executable, str(script), str(target_dir), "--outfile", str(tmp), "--outtype", "f16"],
-                             capture_output=True, text=True, env=env)
+        env = {**os.environ, "LLAMA_CPP_SRC": str(script.parent),
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+        res = subprocess.run([sys.executable, "-m", "retrace.bench.llamacpp_convert", str(target_dir),  # its hooks
+                              "--outfile", str(tmp), "--outtype", "f16"], capture_output=True, text=True, env=env)
         (root / "convert.log").write_text(res.stdout + res.stderr)
         if res.returncode:
             last = (res.stderr.strip().splitlines() or ["no output"])[-1]
