@@ -93,3 +93,25 @@ def test_zoo_gguf_f16_greedy_follows_the_target(zoo_gguf):
     finally:
         llm.close()
     assert total and agree / total >= 0.8, (agree, total)
+
+
+def test_ar_and_ngram_systems_share_one_model_and_agree(zoo_gguf):
+    """The bench's llama.cpp systems of one GGUF share its model and context (retrace.bench.llamacpp_peers):
+    prompt lookup is lossless greedy, so its tokens equal plain decoding's, run after run, whatever ran
+    before on the shared context."""
+    from retrace.bench.llamacpp_peers import LlamaCppSystem, load_llama
+    from retrace.train.tokenizer import load_tokenizer
+
+    out, q8 = zoo_gguf
+    tok = load_tokenizer(out / "target").backend_tokenizer
+    prompts = [tok.encode(json.loads(line)["prompt"], add_special_tokens=False).ids[:48]
+               for line in list((out / "prompts" / "code.jsonl").open())[:2]]
+    llm = load_llama(q8, 1, 48 + 24 + 10)
+    try:
+        ar, ngram = LlamaCppSystem(llm, "llamacpp-ar-q8_0"), LlamaCppSystem(llm, "llamacpp-ngram-q8_0", 4)
+        first = ar.run(prompts, 24, 1).outputs
+        assert [len(o) for o in first] == [24, 24]
+        assert ngram.run(prompts, 24, 1).outputs == first
+        assert ar.run(prompts, 24, 1).outputs == first
+    finally:
+        llm.close()

@@ -96,22 +96,29 @@ def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path
     return out
 
 
-class LlamaCppSystem(System):
-    """Greedy decoding with llama-cpp-python; `ngram` > 0: prompt-lookup drafts of that many tokens."""
+def load_llama(gguf: Path, threads: int, n_ctx: int):
+    """One llama.cpp model and context for every system of a GGUF (built with logits_all, whose scores buffer
+    holds every position's logits: the n-gram mode's verify reads them)."""
+    return _llama_cpp().Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                              verbose=False, logits_all=True)
 
-    def __init__(self, gguf: Path, name: str, threads: int, n_ctx: int, ngram: int = 0):
-        llama_cpp = _llama_cpp()
+
+class LlamaCppSystem(System):
+    """Greedy decoding with llama-cpp-python; `ngram` > 0: prompt-lookup drafts of that many tokens. Systems of
+    one GGUF share its `llm` (they run one at a time): each sets its draft model and logits before a run."""
+
+    def __init__(self, llm, name: str, ngram: int = 0):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        self.name, self.ngram = name, ngram
-        self.llm = llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                                   verbose=False, logits_all=False,
-                                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=ngram) if ngram else None)
+        self.llm, self.name, self.ngram = llm, name, ngram
+        self.draft = LlamaPromptLookupDecoding(num_pred_tokens=ngram) if ngram else None
 
     def supports(self, batch_size: int) -> str | None:
         return "llama-cpp-python decodes one sequence at a time" if batch_size > 1 else None
 
     def run(self, prompts, n, batch_size, progress=None) -> RunOut:
+        # what Llama(draft_model=...) sets: a draft needs every position's logits, plain decoding the last one's
+        self.llm.draft_model, self.llm._logits_all = self.draft, self.draft is not None
         outputs = []
         t0 = time.perf_counter()
         for p in prompts:
@@ -128,12 +135,14 @@ class LlamaCppSystem(System):
         return RunOut(outputs, time.perf_counter() - t0)
 
 
-def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, log) -> None:
+def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, log, n_ctx: int = 4096) -> None:
+    """llama.cpp's systems at each quantized precision of cfg.weights; n_ctx: the longest sequence the bench
+    decodes (drafts past it included)."""
     from retrace.bench.config import wanted
     from retrace.bench.ortgenai_peers import TUNE_TOKENS, measure_best
     from retrace.bench.precision import llamacpp_type
 
-    n_ctx, seen = 4096, set()
+    n_ctx, seen = n_ctx + max(NGRAM_WIDTHS), set()
     for weights in cfg.weights:
         gtype = llamacpp_type(weights)
         if gtype is None or gtype in seen:
@@ -146,12 +155,13 @@ def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
         try:
             gguf = build_gguf(cfg.target, cache, gtype, log)
             built.builds[f"llamacpp_{gtype.lower()}"] = {"gguf": str(gguf)}
+            llm = load_llama(gguf, threads, n_ctx)
             if names[0].startswith("llamacpp-ar"):
-                built.systems.append(LlamaCppSystem(gguf, names[0], threads, n_ctx))
+                built.systems.append(LlamaCppSystem(llm, names[0]))
             if names[-1].startswith("llamacpp-ngram"):
                 tune = list(tune_prompts or [])[:2]
                 opts = [{"ngram": k} for k in NGRAM_WIDTHS]
-                make = lambda o, g=gguf, nm=names[-1]: LlamaCppSystem(g, nm, threads, n_ctx, o["ngram"])  # noqa: E731
+                make = lambda o, m=llm, nm=names[-1]: LlamaCppSystem(m, nm, o["ngram"])  # noqa: E731
                 if tune:
                     best, opt, table = measure_best(make, opts, tune, min(TUNE_TOKENS, cfg.max_new_tokens))
                     best.settings = {"num_pred_tokens": opt["ngram"], "candidates": table,
