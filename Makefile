@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench bench-scale serve-bundle serve-bench serve-bench-triton clean triton-env gpu-carry zoo-seeds \
+.PHONY: venv demo test lint bench bench-scale llama-src serve-bundle serve-bench serve-bench-triton clean triton-env gpu-carry zoo-seeds \
 	zoo zoo-release zoo-release-check
 
 $(STAMP): pyproject.toml
@@ -49,6 +49,7 @@ bench: $(STAMP)
 # The precision axis (SCALE_WEIGHTS): our int4 / int8 bundles (retrace-export build --weights, built into the
 # bench cache), onnxruntime-genai's int4 / int8 builder models and llama.cpp's Q4_K_M / Q8_0 (llama-cpp-python;
 # its converter from LLAMA_CPP_SRC, see retrace/bench/llamacpp_peers.py) beside the fp32 systems.
+LLAMA_SRC_DIR ?= .cache/llama-cpp-src
 SCALE_ZOO ?= zoo-qwen3-0.6b
 SCALE_BUNDLE ?= bundles/qwen3-0.6b
 SCALE_WEIGHTS ?= fp32,int8,int4
@@ -56,8 +57,18 @@ bench-scale: $(STAMP)
 	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
 	$(BIN)/retrace zoo draft-ar --from $(ZOO) --quiet
 	$(BIN)/retrace zoo inflate --from $(ZOO) --out $(SCALE_ZOO) --shape qwen3-0.6b --quiet
+	$(MAKE) llama-src || echo "no llama.cpp converter: the llama.cpp rows will say why"
 	test -f $(SCALE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --out $(SCALE_BUNDLE) --max-batch 4 --max-seq-len 512
 	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 32 --max-new-tokens 96 --threads 2 --peer-env defaults --prompt-lookup --weights $(SCALE_WEIGHTS) --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
+
+# llama.cpp's converter for the bench's llama.cpp peers (convert_hf_to_gguf.py + gguf-py): the vendor/llama.cpp of the
+# installed llama-cpp-python's source distribution (PyPI, ~75 MB), unpacked once into $(LLAMA_SRC_DIR), where
+# retrace/bench/llamacpp_peers.py looks when LLAMA_CPP_SRC is unset. Not needed by `make test` (its tests skip).
+llama-src: $(STAMP)
+	test -f $(LLAMA_SRC_DIR)/vendor/llama.cpp/convert_hf_to_gguf.py || ( set -e; \
+	  V=$$($(BIN)/python -c "import llama_cpp; print(llama_cpp.__version__)"); mkdir -p $(LLAMA_SRC_DIR); \
+	  $(BIN)/pip download -q --no-deps --no-binary :all: -d $(LLAMA_SRC_DIR) llama-cpp-python==$$V; \
+	  tar xzf $(LLAMA_SRC_DIR)/llama_cpp_python-$$V.tar.gz -C $(LLAMA_SRC_DIR) --strip-components=1 )
 
 # Servers under load (benchmarks, not in CI), on a bundle of the zoo pair (built once):
 #  serve-bench: `retrace serve` under AIPerf (in its own venv: its pins are not the project's), OpenAI

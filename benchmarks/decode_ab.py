@@ -2,14 +2,15 @@
 call by call interleaved (A B C A B C ...), so that a loaded machine slows each system alike (not a test).
 
     python benchmarks/decode_ab.py --bundle NAME=B1 --bundle NAME=B2[@KEY=VALUE...] [--genai NAME=GENAI_DIR]
-        [--threads 2] [--context 128] [--batch 1] [--calls 200] [--spinning 0|1]
+        [--gguf NAME=FILE.gguf] [--threads 2] [--context 128] [--batch 1] [--calls 200] [--spinning 0|1]
 
 `@KEY=VALUE` after a bundle: an ONNX Runtime session config entry for that system's sessions.
 Prints, per system, the min, the 10th percentile and the median of its step times (ms), and the median
 process CPU time per step (all threads; less sensitive to other load than wall time, but it counts
 spinning: onnxruntime-genai's sessions spin, ours do not unless --spinning 1). Ours: one
 OnnxRuntimeBackend.target call of one new token per row over random caches; onnxruntime-genai:
-generate_next_token after a random prompt of --context tokens.
+generate_next_token after a random prompt of --context tokens; llama.cpp (llama-cpp-python, batch 1 only):
+Llama.eval of one token after a prompt of --context tokens, the last token's logits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", action="append", default=[])
     ap.add_argument("--genai", action="append", default=[])
+    ap.add_argument("--gguf", action="append", default=[], help="NAME=FILE.gguf: llama.cpp (batch 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
@@ -60,6 +62,17 @@ def main(argv=None) -> int:
         gen.append_tokens(np.random.default_rng(0).integers(0, 1000, (n, c), dtype=np.int32))
         gens.append((model, params, gen))
         steps[name] = gen.generate_next_token
+    for spec in args.gguf:
+        import llama_cpp
+
+        if n != 1:
+            raise SystemExit("--gguf: llama-cpp-python decodes one sequence (--batch 1)")
+        name, f = spec.split("=", 1)
+        llm = llama_cpp.Llama(f, n_ctx=c + args.calls + 16, n_batch=512, n_threads=args.threads,
+                              n_threads_batch=args.threads, verbose=False)
+        llm.eval([(7 + 31 * i) % 1000 for i in range(c)])
+        gens.append(llm)
+        steps[name] = lambda llm=llm: llm.eval([11])
     times = {k: [] for k in steps}
     cpu = {k: [] for k in steps}
     for k in steps:  # warm-up

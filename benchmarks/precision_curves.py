@@ -12,7 +12,7 @@ all its measurements); the rounds interleave the systems, each figure is the med
 median of `--steps` calls in a round.
 - decode: one step of one new token per row after `--context` tokens (ours: the caches filled with random
   values, one row of logits; onnxruntime-genai: after a random prompt of that length, generate_next_token;
-  llama.cpp: eval of one token after the prompt).
+  llama.cpp: eval of one token after the prompt, its last-token logits).
 - prefill: `--context` new tokens at batch 1 with the last token's logits (ours and llama.cpp), or
   onnxruntime-genai's append_tokens of the prompt.
 - T-curve (ours and llama.cpp with logits_all, what a verify needs): T new tokens after the context with
@@ -110,6 +110,9 @@ class Genai:
 
 
 class LlamaCpp:
+    """Built with logits_all (its scores buffer); each eval asks for the logits it needs: the last token's for
+    decode and prefill (as ours), every position's for the T-token forward (what a verify reads)."""
+
     def __init__(self, gguf: str, threads: int, max_len: int):
         import llama_cpp
 
@@ -119,29 +122,35 @@ class LlamaCpp:
     def _prompt(self, context: int):
         return [(7 + 31 * i) % 1000 for i in range(context)]
 
+    def _eval(self, tokens, all_logits: bool = False):
+        self.llm._logits_all = all_logits  # llama-cpp-python's per-eval switch (batch logits flags)
+        self.llm.eval(tokens)
+
     def decode(self, context: int, steps: int) -> float:
         self.llm.reset()
-        self.llm.eval(self._prompt(context))
+        self._eval(self._prompt(context))
         times = []
         for i in range(steps + 1):
+            self.llm.n_tokens = context  # eval drops the cache past n_tokens: the same context every step
             t0 = time.perf_counter()
-            self.llm.eval([11 + i])
+            self._eval([11 + i])
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 
     def prefill(self, context: int, steps: int) -> float:
         def run():
             self.llm.reset()
-            self.llm.eval(self._prompt(context))
+            self._eval(self._prompt(context))
         return _median_time(run, steps)
 
     def forward(self, tokens: int, context: int, steps: int) -> float:
+        self.llm.reset()
+        self._eval(self._prompt(context))
         times = []
         for _ in range(steps + 1):
-            self.llm.reset()
-            self.llm.eval(self._prompt(context))
+            self.llm.n_tokens = context
             t0 = time.perf_counter()
-            self.llm.eval([5 + j for j in range(tokens)])
+            self._eval([5 + j for j in range(tokens)], all_logits=True)
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 

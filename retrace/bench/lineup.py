@@ -149,7 +149,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
     if group("llamacpp"):
         from retrace.bench.llamacpp_peers import add_llamacpp_systems
 
-        add_llamacpp_systems(built, cfg, cache, threads, tune_prompts, log)
+        add_llamacpp_systems(built, cfg, cache, threads, tune_prompts, log, n_ctx=max_seq_len)
 
     order = {n: i for i, n in enumerate(PEERS + tuple(f"retrace-{b}-{m}{f}" for b in BACKENDS for m in MODES
                                                       for f in ("", "-fixed")))}

@@ -10,10 +10,13 @@ llama-cpp-python neither builds nor exposes (its Python API takes only a draft c
 peers of this bench. Batch 1 only: the high-level API decodes one sequence.
 
 The GGUF: the target's HF directory converted by llama.cpp's own `convert_hf_to_gguf.py` (with its
-`gguf-py`) to f16, then `llama_model_quantize` (the library's quantizer, what `llama-quantize` runs) to the
-type, cached per target content. The converter comes from a llama.cpp source tree: $LLAMA_CPP_SRC, e.g. the
-`vendor/llama.cpp` of llama-cpp-python's source distribution (`pip download --no-deps --no-binary :all:
-llama-cpp-python`). Missing pieces skip the systems with a row that says how to install them.
+`gguf-py`; run through retrace.bench.llamacpp_convert, which names the tokenizer's pre-tokenizer where
+llama.cpp does not know its hash) to f16, then `llama_model_quantize` (the library's quantizer, what
+`llama-quantize` runs) to the type, cached per target content. The converter comes from a llama.cpp source
+tree: $LLAMA_CPP_SRC, else the `vendor/llama.cpp` of llama-cpp-python's source distribution that `make
+llama-src` unpacks into .cache/llama-cpp-src (`pip download --no-deps --no-binary :all:
+llama-cpp-python==<installed version>`). Missing pieces skip the systems with a row that says how to
+install them.
 """
 
 from __future__ import annotations
@@ -44,13 +47,17 @@ def _llama_cpp():
     return llama_cpp
 
 
+# where `make llama-src` unpacks the installed llama-cpp-python's source distribution
+DEFAULT_SRC = Path(__file__).parents[2] / ".cache" / "llama-cpp-src" / "vendor" / "llama.cpp"
+
+
 def _converter() -> Path:
     src = os.environ.get("LLAMA_CPP_SRC")
-    script = Path(src) / "convert_hf_to_gguf.py" if src else None
-    if script is None or not script.is_file() or not (script.parent / "gguf-py").is_dir():
-        raise RetraceError("no llama.cpp converter: set LLAMA_CPP_SRC to a llama.cpp source tree with "
-                           "convert_hf_to_gguf.py and gguf-py (the vendor/llama.cpp of `pip download --no-deps "
-                           "--no-binary :all: llama-cpp-python`, unpacked)")
+    script = (Path(src) if src else DEFAULT_SRC) / "convert_hf_to_gguf.py"
+    if not script.is_file() or not (script.parent / "gguf-py").is_dir():
+        raise RetraceError("no llama.cpp converter: run `make llama-src` or set LLAMA_CPP_SRC to a llama.cpp "
+                           "source tree with convert_hf_to_gguf.py and gguf-py (the vendor/llama.cpp of `pip "
+                           "download --no-deps --no-binary :all: llama-cpp-python`, unpacked)")
     return script
 
 
@@ -69,10 +76,10 @@ def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path
         script = _converter()
         log(f"converting {target_dir} to GGUF (llama.cpp's convert_hf_to_gguf.py)")
         tmp = f16.with_suffix(".tmp")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"),
-                                                             os.environ.get("PYTHONPATH", "")])}
-        res = subprocess.run([sys.executable, str(script), str(target_dir), "--outfile", str(tmp), "--outtype", "f16"],
-                             capture_output=True, text=True, env=env)
+        env = {**os.environ, "LLAMA_CPP_SRC": str(script.parent),
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+        res = subprocess.run([sys.executable, "-m", "retrace.bench.llamacpp_convert", str(target_dir),  # its hooks
+                              "--outfile", str(tmp), "--outtype", "f16"], capture_output=True, text=True, env=env)
         (root / "convert.log").write_text(res.stdout + res.stderr)
         if res.returncode:
             last = (res.stderr.strip().splitlines() or ["no output"])[-1]
@@ -89,22 +96,29 @@ def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path
     return out
 
 
-class LlamaCppSystem(System):
-    """Greedy decoding with llama-cpp-python; `ngram` > 0: prompt-lookup drafts of that many tokens."""
+def load_llama(gguf: Path, threads: int, n_ctx: int):
+    """One llama.cpp model and context for every system of a GGUF (built with logits_all, whose scores buffer
+    holds every position's logits: the n-gram mode's verify reads them)."""
+    return _llama_cpp().Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                              verbose=False, logits_all=True)
 
-    def __init__(self, gguf: Path, name: str, threads: int, n_ctx: int, ngram: int = 0):
-        llama_cpp = _llama_cpp()
+
+class LlamaCppSystem(System):
+    """Greedy decoding with llama-cpp-python; `ngram` > 0: prompt-lookup drafts of that many tokens. Systems of
+    one GGUF share its `llm` (they run one at a time): each sets its draft model and logits before a run."""
+
+    def __init__(self, llm, name: str, ngram: int = 0):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        self.name, self.ngram = name, ngram
-        self.llm = llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                                   verbose=False, logits_all=False,
-                                   draft_model=LlamaPromptLookupDecoding(num_pred_tokens=ngram) if ngram else None)
+        self.llm, self.name, self.ngram = llm, name, ngram
+        self.draft = LlamaPromptLookupDecoding(num_pred_tokens=ngram) if ngram else None
 
     def supports(self, batch_size: int) -> str | None:
         return "llama-cpp-python decodes one sequence at a time" if batch_size > 1 else None
 
     def run(self, prompts, n, batch_size, progress=None) -> RunOut:
+        # what Llama(draft_model=...) sets: a draft needs every position's logits, plain decoding the last one's
+        self.llm.draft_model, self.llm._logits_all = self.draft, self.draft is not None
         outputs = []
         t0 = time.perf_counter()
         for p in prompts:
@@ -121,12 +135,14 @@ class LlamaCppSystem(System):
         return RunOut(outputs, time.perf_counter() - t0)
 
 
-def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, log) -> None:
+def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, log, n_ctx: int = 4096) -> None:
+    """llama.cpp's systems at each quantized precision of cfg.weights; n_ctx: the longest sequence the bench
+    decodes (drafts past it included)."""
     from retrace.bench.config import wanted
     from retrace.bench.ortgenai_peers import TUNE_TOKENS, measure_best
     from retrace.bench.precision import llamacpp_type
 
-    n_ctx, seen = 4096, set()
+    n_ctx, seen = n_ctx + max(NGRAM_WIDTHS), set()
     for weights in cfg.weights:
         gtype = llamacpp_type(weights)
         if gtype is None or gtype in seen:
@@ -139,12 +155,13 @@ def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
         try:
             gguf = build_gguf(cfg.target, cache, gtype, log)
             built.builds[f"llamacpp_{gtype.lower()}"] = {"gguf": str(gguf)}
+            llm = load_llama(gguf, threads, n_ctx)
             if names[0].startswith("llamacpp-ar"):
-                built.systems.append(LlamaCppSystem(gguf, names[0], threads, n_ctx))
+                built.systems.append(LlamaCppSystem(llm, names[0]))
             if names[-1].startswith("llamacpp-ngram"):
                 tune = list(tune_prompts or [])[:2]
                 opts = [{"ngram": k} for k in NGRAM_WIDTHS]
-                make = lambda o, g=gguf, nm=names[-1]: LlamaCppSystem(g, nm, threads, n_ctx, o["ngram"])  # noqa: E731
+                make = lambda o, m=llm, nm=names[-1]: LlamaCppSystem(m, nm, o["ngram"])  # noqa: E731
                 if tune:
                     best, opt, table = measure_best(make, opts, tune, min(TUNE_TOKENS, cfg.max_new_tokens))
                     best.settings = {"num_pred_tokens": opt["ngram"], "candidates": table,
