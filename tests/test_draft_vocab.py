@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
 import pytest
 import torch
 from click.testing import CliRunner
-from export_fixtures import cli_build
+from export_fixtures import _tmp_root, cli_build
 from runtime_fixtures import hf_greedy, load_hf_target, single_thread, write_pair
 from safetensors.torch import load_file, save_file
 
@@ -68,9 +69,21 @@ class DraftSpy:
         monkeypatch.setattr(chain_module, "propose_tokens", spy)
 
 
+@functools.cache
+def shared_world() -> dict:
+    """The pair (export_fixtures' session pair: same sizes and seed), a restricting draft vocabulary and their
+    `--tree-mask` bundle, built once per session: tests/test_engine_ort_tree.py opens the same bundle with
+    `draft_vocab=False` (the full head) for its tree checks."""
+    with single_thread():
+        return _build_world(_tmp_root())
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, one_thread):
-    root = tmp_path_factory.mktemp("draft-vocab")
+def world(one_thread):
+    return shared_world()
+
+
+def _build_world(root) -> dict:
     target, drafter = write_pair(root, vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
                                  block_size=BLOCK, conditioner="random", seed=3)
     g = torch.Generator().manual_seed(11)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, cli_build, pair_and_bundle
-from runtime_fixtures import OracleDrafter, call_both, hf_greedy, load_hf_target, single_thread, write_pair
+from export_fixtures import BLOCK, MAX_BATCH, MAX_SEQ, VOCAB, pair_and_bundle
+from runtime_fixtures import OracleDrafter, call_both, hf_greedy, load_hf_target, single_thread
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
@@ -19,13 +19,15 @@ MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def tree_bundle(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ort-tree")
-    target, drafter = write_pair(root, vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
-                                 block_size=BLOCK, conditioner="random", seed=3)
-    bundle = root / "bundle"
-    cli_build(target, drafter, bundle, MAX_BATCH, MAX_SEQ, "--tree-mask", "--quiet")
-    return target, drafter, bundle
+def tree_bundle():
+    """export_fixtures' session pair built with `--tree-mask` (max batch 4, max seq 160): test_draft_vocab's
+    session bundle, whose drafter directory adds a draft vocabulary; the backends here open it with
+    `draft_vocab=False`, the drafter graph's full head."""
+    from test_draft_vocab import shared_world
+
+    w = shared_world()
+    assert (BLOCK, MAX_BATCH, MAX_SEQ) == (8, 4, 160)  # what test_draft_vocab builds
+    return w["target"], w["drafter"], w["bundle"]
 
 
 def test_tree_on_onnxruntime_equals_torch_and_transformers(tree_bundle):
@@ -40,7 +42,7 @@ def test_tree_on_onnxruntime_equals_torch_and_transformers(tree_bundle):
             outs = {}
             for name in ("torch", "onnxruntime"):
                 be = (TorchBackend.from_dirs(target, drafter, max_batch=3, max_seq_len=MAX_SEQ) if name == "torch"
-                      else OnnxRuntimeBackend.from_bundle(bundle, max_batch=3))
+                      else OnnxRuntimeBackend.from_bundle(bundle, max_batch=3, draft_vocab=False))
                 rt = Runtime(OracleDrafter(be, seqs, seed=1), verify_policy="fixed", tree_budget=12)
                 res = rt.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW), mode)
                 outs[name] = [r.token_ids for r in res]
@@ -63,7 +65,8 @@ def test_inplace_kv_tree_verify_matches_the_portable_graph(tree_bundle):
     """Siblings that must not see each other: on the in-place K/V graph (the default) the tree's mask
     reaches GroupQueryAttention as attention_bias; logits, taps and cache entries as the portable graph's."""
     _, _, bundle = tree_bundle
-    ref, new = (OnnxRuntimeBackend.from_bundle(bundle, max_batch=2, threads=1, verify=False, kv_mode=m)
+    ref, new = (OnnxRuntimeBackend.from_bundle(bundle, max_batch=2, threads=1, verify=False, kv_mode=m,
+                                               draft_vocab=False)
                 for m in ("gather", None))
     assert new.inplace.tree
     g = torch.Generator().manual_seed(3)

@@ -17,6 +17,7 @@ from pathlib import Path
 from helpers import write_drafter, write_target
 
 ROOT = Path(__file__).resolve().parents[1]
+N_PROMPTS = 4
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -26,16 +27,20 @@ def test_gpu_check_dry_run(tmp_path):
     write_target(zoo / "target", vocab=128, hidden=64, layers=2)
     write_drafter(zoo / "drafter", zoo / "target", block_size=8, conditioner="random")
     (zoo / "prompts").mkdir()
-    rows = [{"prompt_ids": [(7 * i + 3 * j) % 120 + 3 for j in range(5 + i)]} for i in range(8)]
+    rows = [{"prompt_ids": [(7 * i + 3 * j) % 120 + 3 for j in range(5 + i)]} for i in range(N_PROMPTS)]
     (zoo / "prompts" / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ref = reference.build(zoo, n_prompts=8, max_new_tokens=12)
+    # 4 ragged prompts x 6 new tokens (a prefill and 5 rounds at this random pair's tau ~1, so retrace's suffix
+    # memory holds rejected suffixes from the second round on); the parity section decodes the reference's 6
+    ref = reference.build(zoo, n_prompts=N_PROMPTS, max_new_tokens=6)
     (tmp_path / "carry" / "cpu_reference.json").write_text(json.dumps(ref))
 
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
     # the trainers' time budgets cut to 2 s (the dry run's own are 5, 5 and 4 s): the asserts below are about
-    # wiring and losslessness, which any length of training shows
-    budgets = ["--target-seconds", "2", "--dflash-seconds", "2", "--cond-seconds", "2"]
+    # wiring and losslessness, which any length of training shows; 3 held-out prompts for tau, losslessness and
+    # the headroom oracles (the dry run's own: 6)
+    budgets = ["--target-seconds", "2", "--dflash-seconds", "2", "--cond-seconds", "2", "--eval-prompts", "3",
+               "--headroom-prompts", "3"]
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--dry-run", "--carry",
                            str(tmp_path / "carry"), "--work", str(tmp_path / "work"), *budgets],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -46,10 +51,10 @@ def test_gpu_check_dry_run(tmp_path):
         assert sec["status"] == "ok", (name, sec.get("error"), sec.get("traceback"))
     par = data["sections"]["parity"]["result"]
     assert par["checks"]["fp32_all_modes_equal_cpu"] and par["checks"]["fp32_lossless_vs_device_ar"]
-    assert all(e["vs_cpu"]["identical"] == 8 for e in par["fp32"].values())
+    assert all(e["vs_cpu"]["identical"] == N_PROMPTS for e in par["fp32"].values())
     # bf16 is reported, not asserted: a 16-token verify and a 1-token decode round differently in bf16, and a
     # random pair's near-tied logits flip on that (the trained zoo pair gave 8/8)
-    assert {e["vs_device_ar"]["n"] for k, e in par["bf16"].items() if not k.startswith("ar_")} == {8}
+    assert {e["vs_device_ar"]["n"] for k, e in par["bf16"].items() if not k.startswith("ar_")} == {N_PROMPTS}
     ker = data["sections"]["kernels"]["result"]
     assert ker["interpret"] and ker["all_ok"] and ker["cases"]
     sc = data["sections"]["scale"]["result"]
