@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from retrace.runtime.graph_prune import prune
+from retrace.runtime.kv_inplace_layout import Graph, bsh_input, bsh_output
 
 BIAS = "attention_bias"
 
@@ -37,9 +38,11 @@ class InplaceKV:
     tree: bool  # the graph takes attention_bias (it had a tree_mask)
 
 
-def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int) -> InplaceKV | None:
+def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layout: bool = True) -> InplaceKV | None:
     """Rewrite `model` (an onnx.ModelProto, changed in place) as described above; None (and `model`
-    untouched) when its attention is not the exported Concat(past, new) -> Attention form."""
+    untouched) when its attention is not the exported Concat(past, new) -> Attention form. fold_layout:
+    q/k/v and the output in the operator's own layout without Transposes (retrace.runtime.kv_inplace_layout);
+    False keeps a Transpose + Reshape on each of them (the form before, for comparisons)."""
     from onnx import TensorProto, helper
 
     g = model.graph
@@ -65,26 +68,36 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int) -> Inplac
 
     bsh, bnsh = const("inplace_kv_bsh", [0, 0, -1]), const("inplace_kv_bnsh", [0, 0, num_heads, head_dim])
     out_names = {o.name for o in g.output}
+    gr = Graph.of(g)  # the lookups of the graph as exported (each layer below changes only its own nodes)
     new_outputs = []
     for j, (att, (ck, cv)) in enumerate(layers):
         at = list(g.node).index(att)
         nodes = []
 
-        def to_bsh(x: str, what: str, j=j, nodes=nodes) -> str:
+        def to_bsh(x: str, what: str, heads: int, j=j, nodes=nodes) -> str:
+            if fold_layout and (flat := bsh_input(gr, x, heads, head_dim, bsh, f"inplace_kv_{j}_{what}", nodes)):
+                return flat
             nodes.append(helper.make_node("Transpose", [x], [f"inplace_kv_{j}_{what}_t"], perm=[0, 2, 1, 3]))
             nodes.append(helper.make_node("Reshape", [f"inplace_kv_{j}_{what}_t", bsh], [f"inplace_kv_{j}_{what}"]))
             return f"inplace_kv_{j}_{what}"
 
         past_k, past_v = ck.input[0], cv.input[0]
         present_k, present_v = f"present_{past_k[len('past_'):]}", f"present_{past_v[len('past_'):]}"
-        gqa_in = [to_bsh(att.input[0], "q"), to_bsh(ck.input[1], "k"), to_bsh(cv.input[1], "v"), past_k, past_v,
+        gqa_in = [to_bsh(att.input[0], "q", num_heads), to_bsh(ck.input[1], "k", kv_heads),
+                  to_bsh(cv.input[1], "v", kv_heads), past_k, past_v,
                   "seqlens_k", "total_sequence_length", "", "", "", BIAS if tree else ""]
         gqa_in += ["", "", "", "", "", "query_seqlens"]  # head_sink, k/v scales, q/k norms, query_seqlens
-        nodes.append(helper.make_node("GroupQueryAttention", gqa_in, [f"inplace_kv_{j}_y", present_k, present_v],
+        after = bsh_output(gr, att.output[0], num_heads, head_dim) if fold_layout else None
+        y = after[1].output[0] if after else f"inplace_kv_{j}_y"  # straight into the o projection's Reshape's place
+        nodes.append(helper.make_node("GroupQueryAttention", gqa_in, [y, present_k, present_v],
                                       domain="com.microsoft", name=f"inplace_kv_gqa_{j}", num_heads=num_heads,
                                       kv_num_heads=kv_heads, do_rotary=0))
-        nodes.append(helper.make_node("Reshape", [f"inplace_kv_{j}_y", bnsh], [f"inplace_kv_{j}_y4"]))
-        nodes.append(helper.make_node("Transpose", [f"inplace_kv_{j}_y4"], [att.output[0]], perm=[0, 2, 1, 3]))
+        if after:
+            for n in after:
+                g.node.remove(n)
+        else:
+            nodes.append(helper.make_node("Reshape", [y, bnsh], [f"inplace_kv_{j}_y4"]))
+            nodes.append(helper.make_node("Transpose", [f"inplace_kv_{j}_y4"], [att.output[0]], perm=[0, 2, 1, 3]))
         g.node.remove(att)
         for k, n in enumerate(nodes):
             g.node.insert(at + k, n)
