@@ -2,9 +2,10 @@
 
 A quantized bundle's head is `rows -> com.microsoft.MatMulNBits(B, scales) -> Reshape -> logits` (the
 quantizer's form of MatMul(rows, W^T)). MatMulNBits prepacks B into a private copy per session, like a
-float MatMul, so retrace.runtime.lm_head_split treats it the same way: cut off (`logits` replaced by
+float MatMul, and retrace.runtime.lm_head_split can treat it the same way: cut off (`logits` replaced by
 `rows`) for one LmHead session that holds the only packed copy for the target and the drafter, or left
-in the graph (already the prepacked form) for a small head.
+in the graph (already the prepacked form). The backend's default keeps it in each graph (one session run
+per call; the packed copy per session is a sixth of a float table's, docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def rewrite_nbits_head(m, cut: bool):
         d = next(a.i for a in mm.attribute if a.name == "K")
         g.output.insert(at, helper.make_tensor_value_info(rows, out.type.tensor_type.elem_type, ["rows", d]))
         prune(g)
-    return HeadGraph(m.SerializeToString(), rows, weight, nbytes, {i.name for i in g.initializer})
+    return HeadGraph(m.SerializeToString(), rows, weight, nbytes, {i.name for i in g.initializer}, nbits=True)
 
 
 def nbits_head_model(graph_path: Path, weight: str):
