@@ -1,5 +1,5 @@
 """Batch-1 / batch-N decode step of several int4 / int8 bundles and onnxruntime-genai models in ONE process,
-call by call interleaved (A B C A B C ...), so that a loaded machine slows each system alike (not a test).
+call by call interleaved (A B C, B C A, ...), so that a loaded machine slows each system alike (not a test).
 
     python benchmarks/decode_ab.py --bundle NAME=B1 --bundle NAME=B2[@KEY=VALUE...] [--genai NAME=GENAI_DIR]
         [--threads 2] [--context 128] [--batch 1] [--calls 200] [--spinning 0|1] [--rss]
@@ -105,8 +105,12 @@ def main(argv=None) -> int:
     for k in steps:  # warm-up
         for _ in range(3):
             steps[k]()
-    for _ in range(args.calls):
-        for k, f in steps.items():
+    names = list(steps)
+    for i in range(args.calls):
+        # each round starts one system later (A B C, B C A, ...): no system always runs right after the same
+        # one (onnxruntime-genai's workers keep spinning after its call returns and slow whoever comes next)
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            f = steps[k]
             c0, t0 = time.process_time(), time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)

@@ -195,9 +195,11 @@ def relocate_external(graph: Path, location: str) -> None:
 
 
 @torch.no_grad()
-def agreement(target, path: Path, prompts: int = 4, length: int = 32, seed: int = 1234) -> dict:
+def agreement(target, path: Path, prompts: int = 4, length: int = 32, seed: int = 1234,
+              vocab: int | None = None) -> dict:
     """The quantized target graph at `path` against the fp32 torch target on `prompts` held-out random
-    prompts of `length` tokens (logits at every position): top-1 agreement and max |logit error|."""
+    prompts of `length` tokens (logits at every position): top-1 agreement and max |logit error|.
+    vocab: draw the prompts' ids below it (a model whose tokenizer uses only the first ids)."""
     from retrace.export.onnx_export import causal_mask, target_inputs, target_io
     from retrace.export.onnx_parity import session
 
@@ -207,6 +209,8 @@ def agreement(target, path: Path, prompts: int = 4, length: int = 32, seed: int 
     names_in = target_io(L, tree)[0]
     length = max(1, min(length, target.config.max_position_embeddings))
     args = target_inputs(target, prompts, length, 0, length, seed=seed)
+    if vocab is not None:
+        args = (args[0] % vocab, *args[1:])
     if tree:
         args = (*args, causal_mask(prompts, length))
     past = args[4:4 + 2 * L]
