@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     from retrace.export.quantize import WeightQuant, agreement, quantize_graph
     from retrace.models.drafter import load_pair
 
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # per node
     out = Path(args.out_dir)
     target, _ = load_pair(args.target, args.drafter, load_conditioner=False, draft_vocab=False)
     vocab = args.vocab or _tokenizer_size(Path(args.target))

@@ -118,9 +118,10 @@ def test_trees_prompt_lookup_and_the_lm_head_session(qbundle):
 
 
 def test_the_layout_fold_keeps_the_int4_targets_calls(qbundle, monkeypatch):
-    """The in-place graph without the layout Transposes (retrace.runtime.kv_inplace_layout) against the same
-    graph with them: the same logits (1e-5 x max|logit|), argmax and taps call by call (ragged prefill,
-    batched verify, a draft tree's verify), equal K/V; no Transpose left around GroupQueryAttention."""
+    """The in-place graph without the layout Transposes and with the rotary inside GroupQueryAttention
+    (retrace.runtime.kv_inplace_layout; its cos/sin caches indexed by position_ids) against the same graph
+    with both: the same logits (1e-5 x max|logit|), argmax and taps call by call (ragged prefill, batched
+    verify, a draft tree's verify: its nodes at their depths), equal K/V; no Transpose, no RotaryEmbedding."""
     from runtime_fixtures import call_both
 
     import retrace.runtime.onnxruntime_backend as orb
@@ -134,12 +135,14 @@ def test_the_layout_fold_keeps_the_int4_targets_calls(qbundle, monkeypatch):
     ops = {}
     for fold in (True, False):
         m = onnx.load(str(bundle / "target" / "model.onnx"), load_external_data=False)
-        real(m, c.num_attention_heads, c.num_key_value_heads, c.head_dim, fold_layout=fold)
+        real(m, c.num_attention_heads, c.num_key_value_heads, c.head_dim, fold_layout=fold, max_positions=MAX_SEQ)
         ops[fold] = [n.op_type for n in m.graph.node]
     L = c.num_hidden_layers
     assert ops[True].count("Transpose") == 0 and ops[False].count("Transpose") == 8 * L
-    # per layer 8 Reshapes -> 4 (q and k: their view and one to [N, T, H*hd]; v and the output: none)
-    assert ops[False].count("Reshape") - ops[True].count("Reshape") == 4 * L
+    assert ops[True].count("RotaryEmbedding") == 0 and ops[False].count("RotaryEmbedding") == 2 * L
+    # per layer 8 Reshapes -> 4 (q and k: their view and one to [N, T, H*hd]; v and the output: none), plus
+    # the two that shape the cos/sin caches
+    assert ops[False].count("Reshape") - ops[True].count("Reshape") == 4 * L - 2
     g = torch.Generator().manual_seed(5)
     for s, n in ((0, 9), (1, 4), (2, 6)):
         call_both(ref, new, torch.tensor([s]), torch.randint(0, V, (1, n), generator=g), torch.arange(n)[None],

@@ -65,14 +65,20 @@ def _flat(gr: Graph, view, heads: int, head_dim: int) -> str | None:
     return src
 
 
-def bsh_input(gr: Graph, value: str, heads: int, head_dim: int, bsh: str, prefix: str, nodes: list) -> str | None:
+def bsh_input(gr: Graph, value: str, heads: int, head_dim: int, bsh: str, prefix: str, nodes: list,
+              skip_rotary: bool = False) -> str | None:
     """`value` ([N, heads, T, hd], GroupQueryAttention's q, k or v) rebuilt as [N, T, heads*hd] without
     the Transpose: the new nodes appended to `nodes`, their outputs named from `prefix`. None when `value`
-    is not Transpose(view) -> [RMSNormalization] -> [RotaryEmbedding] of a view Reshape."""
+    is not Transpose(view) -> [RMSNormalization] -> [RotaryEmbedding] of a view Reshape. skip_rotary: the
+    value before its RotaryEmbedding (`value` must be one, see `rope_caches`: the operator applies it)."""
     from onnx import helper
 
     chain = []
     n = gr.producer.get(value)
+    if skip_rotary:
+        if n is None or n.op_type != ROTARY:
+            return None
+        n = gr.producer.get(n.input[0])
     while n is not None and n.op_type in (PER_HEAD, ROTARY) and len(n.output) == 1:
         if n.op_type == PER_HEAD and _attr(n, "axis") not in (-1, 3):
             return None
@@ -84,7 +90,8 @@ def bsh_input(gr: Graph, value: str, heads: int, head_dim: int, bsh: str, prefix
     if view is None or view.op_type != "Reshape":
         return None
     chain.reverse()  # in the order they run
-    if [c.op_type for c in chain] not in ([], [PER_HEAD], [ROTARY], [PER_HEAD, ROTARY]):
+    if [c.op_type for c in chain] not in ([], [PER_HEAD], [ROTARY], [PER_HEAD, ROTARY]) or \
+            (skip_rotary and ROTARY in [c.op_type for c in chain]):
         return None
     if any(gr.only_use(c.output[0]) is None for c in chain[:-1]):
         return None  # a step's 4-D value is read elsewhere too: keep the graph as it is
@@ -123,3 +130,72 @@ def bsh_output(gr: Graph, value: str, heads: int, head_dim: int):
     if shape is None or len(shape) != 3 or shape[2] != heads * head_dim:
         return None
     return t, r
+
+
+def rope_of(gr: Graph, value: str, head_dim: int):
+    """The RotaryEmbedding producing `value` when GroupQueryAttention can apply it instead (do_rotary with
+    cos/sin caches indexed by `position_ids`, which keeps a tree node's depth as its position): the
+    opset-23 form over the full head with 3-D cos/sin [N, T, hd/2] computed from the graph's position_ids;
+    else None."""
+    n = gr.producer.get(value)
+    if n is None or n.op_type != ROTARY or n.domain not in ("", "ai.onnx") or len(n.input) != 3:
+        return None
+    if _attr(n, "rotary_embedding_dim") not in (None, 0, head_dim):
+        return None
+    if any((gr.shapes.get(c) or [None])[-1] != head_dim // 2 or len(gr.shapes.get(c) or ()) != 3
+           for c in n.input[1:3]):
+        return None
+    return n
+
+
+def _in_order(gr: Graph) -> list:
+    """The graph's original nodes in their original (topological) order."""
+    seen, out = set(), []
+    for n in gr.producer.values():  # dict order: the order the nodes were met
+        if id(n) not in seen:
+            seen.add(id(n))
+            out.append(n)
+    return out
+
+
+def rope_caches(g, gr: Graph, rope, positions: str, max_positions: int, nodes: list) -> tuple[str, str] | None:
+    """GroupQueryAttention's cos_cache / sin_cache [max_positions, hd/2] for the RotaryEmbedding `rope`: the
+    graph's own cos/sin computation copied with `positions` (the graph input) replaced by the constant
+    0..max_positions-1, so ONNX Runtime folds it into two initializers at load; new nodes appended to `nodes`.
+    None when the cos/sin are not computed from `positions`."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    depends: dict[str, bool] = {}
+
+    def dep(v: str) -> bool:
+        if v not in depends:
+            p = gr.producer.get(v)
+            depends[v] = v == positions or (p is not None and any(dep(i) for i in p.input if i))
+        return depends[v]
+
+    if not all(dep(c) for c in rope.input[1:3]):
+        return None
+    ancestors, todo = set(), list(rope.input[1:3])
+    while todo:  # the nodes the cos/sin are computed by
+        p = gr.producer.get(todo.pop())
+        if p is not None and id(p) not in ancestors:
+            ancestors.add(id(p))
+            todo += [i for i in p.input if i]
+    const, shape = (f"inplace_kv_rope_{rope.input[1]}_{what}" for what in ("positions", "shape"))
+    g.initializer.append(numpy_helper.from_array(np.arange(max_positions, dtype=np.int64)[None], const))
+    half = int(gr.shapes[rope.input[1]][-1])
+    g.initializer.append(numpy_helper.from_array(np.array([max_positions, half], dtype=np.int64), shape))
+    renamed = {positions: const}
+    for n in _in_order(gr):
+        if id(n) in ancestors and any(dep(o) for o in n.output):
+            copy = helper.make_node(n.op_type, [renamed.get(i, i) for i in n.input],
+                                    [f"inplace_kv_rope_{o}" for o in n.output], domain=n.domain)
+            copy.attribute.extend(n.attribute)
+            renamed.update(zip(n.output, copy.output, strict=True))
+            nodes.append(copy)
+    out = []
+    for c in rope.input[1:3]:
+        nodes.append(helper.make_node("Reshape", [renamed[c], shape], [f"inplace_kv_rope_{c}_cache"]))
+        out.append(f"inplace_kv_rope_{c}_cache")
+    return out[0], out[1]
