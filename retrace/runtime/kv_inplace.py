@@ -14,9 +14,11 @@ the T new K/V at positions [past, past + T) of each row and attends causally ove
 `seqlens_k + 1` entries. New graph inputs: `seqlens_k` [N] int32 (past + T - 1), `query_seqlens` [N] int32
 (T), `total_sequence_length` [] int32 (max over rows of past + T) and, for a graph with `tree_mask`,
 `attention_bias` [N,1,T,total] float (0 where a node may attend, -inf where the tree forbids it; the
-causal order of the nodes is a superset of their ancestry). Rotary embedding stays the graph's own
-(`position_ids` give a tree node its depth while its K/V sit at the scratch index past + m), so the
-operator runs with do_rotary=0 and the default scale 1/sqrt(head_dim), as the exported `Attention` does.
+causal order of the nodes is a superset of their ancestry). The operator runs with the default scale
+1/sqrt(head_dim), as the exported `Attention` does. q/k/v and its output use the operator's own
+[N, T, H*hd] layout without Transposes, and (given `max_positions`) it applies the rotary embedding itself
+from cos/sin caches indexed by the graph's `position_ids`, so a tree node is still rotated by its depth while
+its K/V sit at the scratch index past + m (retrace.runtime.kv_inplace_layout).
 
 The bundle is unchanged (TensorRT reads the same graph whole); a graph whose attention does not have the
 exported form is left as it is (the backend then uses its gather path).
