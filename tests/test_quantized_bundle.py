@@ -117,6 +117,17 @@ def test_trees_prompt_lookup_and_the_lm_head_session(qbundle):
     assert [r.token_ids for r in ar] == want
 
 
+def test_the_int4_head_stays_in_each_graph_by_default(qbundle, monkeypatch):
+    """A MatMulNBits head, however large, stays in the target and drafter graphs (one session run per call);
+    a float head of that size would get the LM head session (retrace.runtime.onnxruntime_backend)."""
+    import retrace.runtime.onnxruntime_backend as orb
+
+    monkeypatch.setattr(orb, "LM_HEAD_SESSION_MIN_BYTES", 0)  # every head counts as large
+    be = OnnxRuntimeBackend.from_bundle(qbundle[0], threads=1)
+    assert be.head is None and not be.tgraph.rows and not be.dgraph.rows
+    assert "logits" in be.tgraph.outputs and "logits" in be.dgraph.outputs
+
+
 def test_the_layout_fold_keeps_the_int4_targets_calls(qbundle, monkeypatch):
     """The in-place graph without the layout Transposes and with the rotary inside GroupQueryAttention
     (retrace.runtime.kv_inplace_layout; its cos/sin caches indexed by position_ids) against the same graph
