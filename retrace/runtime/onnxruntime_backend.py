@@ -322,8 +322,9 @@ class OnnxRuntimeBackend:
                 raise RetraceError(f"kv_mode='inplace' cannot run here ({why}): use kv_mode='gather'")
             return None, None
         c = self.target_config.layers
+        # the rotary inside the operator where its position_ids handling was checked (tree depths): the CPU kernel
         inplace = to_inplace_kv(model, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                max_positions=self.max_seq_len)  # the rotary inside the operator
+                                max_positions=self.max_seq_len if where == "cpu" else None)
         if inplace is None and kv_mode == "inplace":
             raise RetraceError(f"{path}: kv_mode='inplace' needs the exported attention form (Concat(past, new) "
                                "-> Attention per layer); this graph has another one: use kv_mode='gather'")
