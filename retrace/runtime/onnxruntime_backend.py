@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from retrace.engines.bundle import Bundle, BundleError, _inside
@@ -51,6 +52,7 @@ from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.bundle_configs import bundle_configs
 from retrace.runtime.kv_inplace import BIAS, to_inplace_kv, tree_bias
+from retrace.runtime.lm_head_nbits import nbits_rows_model
 from retrace.runtime.lm_head_split import (
     EXTERNAL_FOLDER_KEY,
     LM_HEAD_SESSION_MIN_BYTES,
@@ -288,18 +290,27 @@ class OnnxRuntimeBackend:
             raise RetraceError(f"the draft vocabulary is over {vocab.target_vocab_size} ids, the target's over "
                                f"{self.target_config.vocab_size}")
         d_path, weight = self._draft_table
-        # the target's mapping when the table is shared (no second copy read), else the drafter graph's own
-        t_name = self.shared.pairs.get(weight) if self.shared is not None else None
-        table = self.shared.arrays[t_name] if t_name is not None else map_initializer(d_path, weight)
-        if table.shape[0] != self.target_config.vocab_size:
-            raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target vocab's "
-                              f"{self.target_config.vocab_size}")
+        V, options = self.target_config.vocab_size, _session_options(*self._head_options)
+        ids = None if vocab is None else vocab.ids.numpy()
         self.draft_vocab = vocab
-        self.draft_head = None if vocab is None else LmHead.of_rows(
-            table[vocab.ids.numpy()], _session_options(*self._head_options), self.providers, self.device)
+        # an int4 / int8 head: MatMulNBits over the subset's rows of the packed table and its scales
+        nbits = nbits_rows_model(d_path, weight, np.arange(V) if ids is None else ids, self._draft_array, V)
+        if nbits is not None:
+            self.draft_head = None if vocab is None and self.head is not None else LmHead.of_model(
+                nbits, options, self.providers, self.device, "draft vocabulary head")
+            return
+        table = self._draft_array(weight)
+        if table.shape[0] != V:
+            raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target vocab's {V}")
+        self.draft_head = None if vocab is None else LmHead.of_rows(table[ids], options, self.providers, self.device)
         if vocab is None and self.head is None:  # the full head: rows of the whole table, in a session too
-            self.draft_head, self.draft_vocab = LmHead.of_rows(table, _session_options(*self._head_options),
-                                                               self.providers, self.device), None
+            self.draft_head = LmHead.of_rows(table, options, self.providers, self.device)
+
+    def _draft_array(self, name: str) -> np.ndarray:
+        """A drafter initializer's values: the target's mapping when it is shared (no second copy read),
+        else the drafter graph's own, mapped."""
+        t_name = self.shared.pairs.get(name) if self.shared is not None else None
+        return self.shared.arrays[t_name] if t_name is not None else map_initializer(self._draft_table[0], name)
 
     def _inplace_target(self, path: Path, kv_mode: str | None):
         """(the target graph rewritten for in-place K/V, its InplaceKV) or (None, None) where the mode is
