@@ -88,12 +88,15 @@ def _assert_subset_head(bundle, vocab) -> None:
 def _assert_lossless(bundle, vocab, prompts, own, monkeypatch) -> None:
     params = SamplingParams(max_new_tokens=MAX_NEW)
     subset = set(vocab.ids.tolist())
-    for mode in ("dflash", "retrace"):
-        for batch in (1, 2):
-            spy = DraftSpy(monkeypatch)
-            res = Runtime.from_bundle(bundle, threads=1, verify_policy="fixed").generate(prompts[:batch], params, mode)
-            assert [r.token_ids for r in res] == own[:batch], (mode, batch)
-            assert spy.drafts and spy.drafts <= subset, sorted(spy.drafts - subset)
+    # the head in each graph (the default), and cut into one MatMulNBits session for the target (forced)
+    for mode, batch, head in (("dflash", 1, None), ("dflash", 2, None), ("retrace", 1, None), ("retrace", 2, None),
+                              ("retrace", 2, True)):
+        spy = DraftSpy(monkeypatch)
+        rt = Runtime.from_bundle(bundle, threads=1, verify_policy="fixed", lm_head_session=head)
+        assert (rt.backend.head is not None) == bool(head)
+        res = rt.generate(prompts[:batch], params, mode)
+        assert [r.token_ids for r in res] == own[:batch], (mode, batch, head)
+        assert spy.drafts and spy.drafts <= subset, sorted(spy.drafts - subset)
     assert {t for o in own for t in o} - subset  # the target produced tokens the drafter cannot draft
 
 
