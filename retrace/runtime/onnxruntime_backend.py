@@ -290,21 +290,20 @@ class OnnxRuntimeBackend:
             raise RetraceError(f"the draft vocabulary is over {vocab.target_vocab_size} ids, the target's over "
                                f"{self.target_config.vocab_size}")
         d_path, weight = self._draft_table
-        V, options = self.target_config.vocab_size, _session_options(*self._head_options)
-        ids = None if vocab is None else vocab.ids.numpy()
-        self.draft_vocab = vocab
-        # an int4 / int8 head: MatMulNBits over the subset's rows of the packed table and its scales
-        nbits = nbits_rows_model(d_path, weight, np.arange(V) if ids is None else ids, self._draft_array, V)
-        if nbits is not None:
-            self.draft_head = None if vocab is None and self.head is not None else LmHead.of_model(
-                nbits, options, self.providers, self.device, "draft vocabulary head")
-            return
-        table = self._draft_array(weight)
-        if table.shape[0] != V:
-            raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target vocab's {V}")
-        self.draft_head = None if vocab is None else LmHead.of_rows(table[ids], options, self.providers, self.device)
-        if vocab is None and self.head is None:  # the full head: rows of the whole table, in a session too
-            self.draft_head = LmHead.of_rows(table, options, self.providers, self.device)
+        V, head = self.target_config.vocab_size, None
+        if vocab is not None or self.head is None:  # else the full head runs in the target's LM head session
+            rows, options = np.arange(V) if vocab is None else vocab.ids.numpy(), _session_options(*self._head_options)
+            # an int4 / int8 head: MatMulNBits over those rows of the packed table, its scales and zero points
+            nbits = nbits_rows_model(d_path, weight, rows, self._draft_array, V)
+            if nbits is not None:
+                head = LmHead.of_model(nbits, options, self.providers, self.device, "draft vocabulary head")
+            else:
+                table = self._draft_array(weight)
+                if table.shape[0] != V:
+                    raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target "
+                                      f"vocab's {V}")
+                head = LmHead.of_rows(table if vocab is None else table[rows], options, self.providers, self.device)
+        self.draft_vocab, self.draft_head = vocab, head
 
     def _draft_array(self, name: str) -> np.ndarray:
         """A drafter initializer's values: the target's mapping when it is shared (no second copy read),
