@@ -1,10 +1,13 @@
 """Batch-1 / batch-N decode step of several int4 / int8 bundles and onnxruntime-genai models in ONE process,
-call by call interleaved (A B C A B C ...), so that a loaded machine slows each system alike (not a test).
+call by call interleaved (A B C, B C A, ...), so that a loaded machine slows each system alike (not a test).
 
     python benchmarks/decode_ab.py --bundle NAME=B1 --bundle NAME=B2[@KEY=VALUE...] [--genai NAME=GENAI_DIR]
-        [--gguf NAME=FILE.gguf] [--threads 2] [--context 128] [--batch 1] [--calls 200] [--spinning 0|1]
+        [--gguf NAME=FILE.gguf] [--threads 2] [--context 128] [--batch 1] [--calls 200] [--spinning 0|1] [--rss]
 
-`@KEY=VALUE` after a bundle: an ONNX Runtime session config entry for that system's sessions.
+`@KEY=VALUE` after a bundle: an ONNX Runtime session config entry for that system's sessions, except
+`@lm_head_session=0|1` (the backend's option: the shared LM head in its own session or in each graph) and
+`@fold_layout=0` (the in-place K/V graph with its layout Transposes, retrace.runtime.kv_inplace_layout).
+`--rss`: instead, each system alone in a process of its own (load, 3 + 20 steps): its peak RSS (ru_maxrss).
 Prints, per system, the min, the 10th percentile and the median of its step times (ms), and the median
 process CPU time per step (all threads; less sensitive to other load than wall time, but it counts
 spinning: onnxruntime-genai's sessions spin, ours do not unless --spinning 1). Ours: one
@@ -16,9 +19,42 @@ Llama.eval of one token after a prompt of --context tokens, the last token's log
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
+
+BACKEND_KEYS = {"lm_head_session", "fold_layout"}
+
+
+@contextlib.contextmanager
+def _unfolded(fold: bool):
+    """The in-place K/V rewrite with its layout Transposes (fold=False) while a backend loads."""
+    import retrace.runtime.onnxruntime_backend as orb
+
+    real = orb.to_inplace_kv
+    if not fold:
+        orb.to_inplace_kv = lambda *a, **k: real(*a, **k, fold_layout=False)
+    try:
+        yield
+    finally:
+        orb.to_inplace_kv = real
+
+
+def _rss(args) -> int:
+    """Each system alone in its own process: peak RSS after load and 23 steps."""
+    common = ["--threads", str(args.threads), "--context", str(args.context), "--batch", str(args.batch),
+              "--calls", "20", "--spinning", str(args.spinning)]
+    for flag, specs in (("--bundle", args.bundle), ("--genai", args.genai), ("--gguf", args.gguf)):
+        for spec in specs:
+            out = subprocess.run([sys.executable, __file__, flag, spec, *common], capture_output=True, text=True,
+                                 check=True).stdout
+            rss = next(ln for ln in out.splitlines() if ln.startswith("peak RSS"))
+            print(f"{spec.split('=', 1)[0]:24s} {rss}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -31,7 +67,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--spinning", type=int, default=0, help="our sessions' session.intra_op.allow_spinning")
+    ap.add_argument("--rss", action="store_true", help="peak RSS of each system alone in its own process")
     args = ap.parse_args(argv)
+    if args.rss:
+        return _rss(args)
     import numpy as np
     import torch
 
@@ -43,9 +82,10 @@ def main(argv=None) -> int:
         name, d = spec.split("=", 1)
         d, *opts = d.split("@")
         options = {"session.intra_op.allow_spinning": str(args.spinning)} | dict(o.split("=", 1) for o in opts)
-        be = OnnxRuntimeBackend.from_bundle(d, max_batch=n, threads=args.threads, verify=False,
-                                            max_seq_len=c + 64,
-                                            session_options=options)
+        kw = {k: options.pop(k) not in ("0", "false") for k in BACKEND_KEYS & set(options)}
+        with _unfolded(kw.pop("fold_layout", True)):
+            be = OnnxRuntimeBackend.from_bundle(d, max_batch=n, threads=args.threads, verify=False,
+                                                max_seq_len=c + 64, session_options=options, **kw)
         be.tcache.kv.normal_(0, 1)
         v = be.target_config.vocab_size
         steps[name] = (lambda be=be, v=v: be.target(torch.arange(n), torch.randint(0, v // 2, (n, 1)),
@@ -78,8 +118,12 @@ def main(argv=None) -> int:
     for k in steps:  # warm-up
         for _ in range(3):
             steps[k]()
-    for _ in range(args.calls):
-        for k, f in steps.items():
+    names = list(steps)
+    for i in range(args.calls):
+        # each round starts one system later (A B C, B C A, ...): no system always runs right after the same
+        # one (onnxruntime-genai's workers keep spinning after its call returns and slow whoever comes next)
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            f = steps[k]
             c0, t0 = time.process_time(), time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
@@ -89,6 +133,7 @@ def main(argv=None) -> int:
         ts = sorted(x * 1e3 for x in ts)
         print(f"{k:24s} min {ts[0]:7.2f}  p10 {ts[len(ts) // 10]:7.2f}  median {statistics.median(ts):7.2f} ms"
               f" | process CPU median {statistics.median(cpu[k]) * 1e3:7.2f} ms")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.3f} GB (this process)")
     return 0
 
 

@@ -17,6 +17,11 @@ bundle's block size, --ctx new context tokens), medians of --reps interleaved re
 
 times the LM head alone (an ONNX Runtime Gemm session over the rows of a random [151936, 1024] table, 15
 rows: a 16-slot block) for the full table and each subset size, plus the expansion to target ids.
+
+    python benchmarks/draft_vocab_cost.py --engine B --bundle-map --threads 1
+
+times the bundle's own map against the full head (either precision; an int4 / int8 bundle's subset head is
+MatMulNBits over the subset's packed rows), without responses or coverage.
 """
 
 from __future__ import annotations
@@ -99,19 +104,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--heads-only", action="store_true", help="time the LM head alone (no bundle)")
+    ap.add_argument("--bundle-map", action="store_true",
+                    help="time the bundle's own draft vocabulary against the full head only (no coverage)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.heads_only:
         return heads_only([int(s) for s in a.sizes.split(",")], a.reps, a.threads, a.json)
-    if a.engine is None or a.small_target is None or a.train_prompts is None or a.heldout is None:
-        ap.error("--engine, --small-target, --train-prompts and --heldout are needed (or --heads-only)")
+    if a.engine is None or not a.bundle_map and (a.small_target is None or a.train_prompts is None
+                                                 or a.heldout is None):
+        ap.error("--engine, --small-target, --train-prompts and --heldout are needed (or --heads-only, or "
+                 "--engine with --bundle-map)")
 
     be = OnnxRuntimeBackend.from_bundle(a.engine, max_batch=1, threads=a.threads)
     V = be.target_config.vocab_size
-    train = count_tokens(responses(a.small_target, [a.train_prompts], a.train_limit, a.max_new_tokens), V)
-    held = count_tokens(responses(a.small_target, sorted(a.heldout.glob("*.jsonl")), None, a.max_new_tokens), V)
-    eos = be.target_config.eos_token_ids
-    vocabs = {int(s): from_counts(train, size=int(s), always=eos) for s in a.sizes.split(",")}
+    if a.bundle_map:  # the bundle's own map against the full head; no responses, no coverage
+        train = held = torch.zeros(V, dtype=torch.int64)
+        vocabs = {be.draft_vocab.size: be.draft_vocab}
+    else:
+        train = count_tokens(responses(a.small_target, [a.train_prompts], a.train_limit, a.max_new_tokens), V)
+        held = count_tokens(responses(a.small_target, sorted(a.heldout.glob("*.jsonl")), None, a.max_new_tokens), V)
+        eos = be.target_config.eos_token_ids
+        vocabs = {int(s): from_counts(train, size=int(s), always=eos) for s in a.sizes.split(",")}
 
     B = be.drafter_config.block_size
     k_d = be.drafter_config.num_taps * be.target_config.hidden_size
@@ -145,10 +158,13 @@ def main() -> None:
         ms = statistics.median(times[n])
         row = {"draft_ms": ms, "ratio": ms / dec, "range_ms": [min(times[n]), max(times[n])]}
         if v is not None:
-            row.update(size=v.size, coverage_train=coverage_of(v.ids, train), coverage_heldout=coverage_of(v.ids, held))
+            row.update(size=v.size)
+        if v is not None and not a.bundle_map:
+            row.update(coverage_train=coverage_of(v.ids, train), coverage_heldout=coverage_of(v.ids, held))
         out["rows"][n] = row
         print(f"{n:>6}: draft {ms:7.2f} ms = {ms / dec:.3f} of a decode ({dec:.2f} ms)"
-              + (f", coverage train {row['coverage_train']:.4f} held-out {row['coverage_heldout']:.4f}" if v else ""))
+              + (f", coverage train {row['coverage_train']:.4f} held-out {row['coverage_heldout']:.4f}"
+                 if "coverage_train" in row else ""))
     out["distinct_ids"] = {"train": int((train > 0).sum()), "heldout": int((held > 0).sum())}
     print(f"distinct ids in the responses: train {out['distinct_ids']['train']}, "
           f"held-out {out['distinct_ids']['heldout']} (target vocab {V})")

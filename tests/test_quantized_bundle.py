@@ -117,6 +117,57 @@ def test_trees_prompt_lookup_and_the_lm_head_session(qbundle):
     assert [r.token_ids for r in ar] == want
 
 
+def test_the_int4_head_stays_in_each_graph_by_default(qbundle, monkeypatch):
+    """A MatMulNBits head, however large, stays in the target and drafter graphs (one session run per call);
+    a float head of that size would get the LM head session (retrace.runtime.onnxruntime_backend)."""
+    import retrace.runtime.onnxruntime_backend as orb
+
+    monkeypatch.setattr(orb, "LM_HEAD_SESSION_MIN_BYTES", 0)  # every head counts as large
+    be = OnnxRuntimeBackend.from_bundle(qbundle[0], threads=1)
+    assert be.head is None and not be.tgraph.rows and not be.dgraph.rows
+    assert "logits" in be.tgraph.outputs and "logits" in be.dgraph.outputs
+
+
+def test_the_layout_fold_keeps_the_int4_targets_calls(qbundle, monkeypatch):
+    """The in-place graph without the layout Transposes and with the rotary inside GroupQueryAttention
+    (retrace.runtime.kv_inplace_layout; its cos/sin caches indexed by position_ids) against the same graph
+    with both: the same logits (1e-5 x max|logit|), argmax and taps call by call (ragged prefill, batched
+    verify, a draft tree's verify: its nodes at their depths), equal K/V; no Transpose, no RotaryEmbedding."""
+    from runtime_fixtures import call_both
+
+    import retrace.runtime.onnxruntime_backend as orb
+
+    bundle = qbundle[0]
+    new = OnnxRuntimeBackend.from_bundle(bundle, threads=1, max_batch=3)
+    real = orb.to_inplace_kv
+    monkeypatch.setattr(orb, "to_inplace_kv", lambda *a, **k: real(*a, **k, fold_layout=False))
+    ref = OnnxRuntimeBackend.from_bundle(bundle, threads=1, max_batch=3)
+    c = new.target_config.layers
+    ops = {}
+    for fold in (True, False):
+        m = onnx.load(str(bundle / "target" / "model.onnx"), load_external_data=False)
+        real(m, c.num_attention_heads, c.num_key_value_heads, c.head_dim, fold_layout=fold, max_positions=MAX_SEQ)
+        ops[fold] = [n.op_type for n in m.graph.node]
+    L = c.num_hidden_layers
+    assert ops[True].count("Transpose") == 0 and ops[False].count("Transpose") == 8 * L
+    assert ops[True].count("RotaryEmbedding") == 0 and ops[False].count("RotaryEmbedding") == 2 * L
+    # per layer 8 Reshapes -> 4 (q and k: their view and one to [N, T, H*hd]; v and the output: none), plus
+    # the two that shape the cos/sin caches
+    assert ops[False].count("Reshape") - ops[True].count("Reshape") == 4 * L - 2
+    g = torch.Generator().manual_seed(5)
+    for s, n in ((0, 9), (1, 4), (2, 6)):
+        call_both(ref, new, torch.tensor([s]), torch.randint(0, V, (1, n), generator=g), torch.arange(n)[None],
+                  torch.tensor([[n - 1]]))
+    slots, past = torch.tensor([0, 1]), torch.tensor([9, 4])
+    call_both(ref, new, slots, torch.randint(0, V, (2, 3), generator=g), past[:, None] + torch.arange(3),
+              torch.arange(3).expand(2, 3).contiguous())
+    tree = torch.ones(4, 4, dtype=torch.bool).tril()
+    tree[2, 1] = tree[3, 1] = False  # nodes 1 and 2 both children of 0, 3 a child of 2
+    call_both(ref, new, torch.tensor([2]), torch.randint(0, V, (1, 4), generator=g), torch.tensor([[6, 7, 7, 8]]),
+              torch.arange(4)[None], tree[None])
+    assert torch.equal(ref.tcache.kv[:, :3, :, :16], new.tcache.kv[:, :3, :, :16])
+
+
 def test_sampling_follows_the_quantized_targets_distribution(qbundle):
     """retrace-mode sampling (T=1) on the int4 bundle: tokens 2-3 follow the exact joint computed from the
     bundle's own target graph (alpha 0.01), so acceptance uses the deployed target's probabilities."""

@@ -47,7 +47,7 @@ def _backends() -> list[str]:
                    "onnxruntime backend): int4/int8 are what CPU deployments run; fp32 keeps the graphs that "
                    "match torch")
 @click.option("--weight-block-size", type=int, default=None,
-              help="quantization block along K (power of two >= 16) [default: 128]")
+              help="quantization block along K (power of two >= 16) [default: 256 for int4, 128 for int8]")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="MatMulNBits accuracy_level (4: int8 activations, the fastest on CPU) [default: 4]")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="most concurrent requests")

@@ -13,3 +13,4 @@ class HeadGraph:
     weight: str  # the LM head's [V, d] initializer
     weight_bytes: int
     initializers: set[str]  # those the rewritten graph still reads
+    nbits: bool = False  # a MatMulNBits (int4 / int8) head (retrace.runtime.lm_head_nbits)

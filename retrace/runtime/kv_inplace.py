@@ -14,9 +14,11 @@ the T new K/V at positions [past, past + T) of each row and attends causally ove
 `seqlens_k + 1` entries. New graph inputs: `seqlens_k` [N] int32 (past + T - 1), `query_seqlens` [N] int32
 (T), `total_sequence_length` [] int32 (max over rows of past + T) and, for a graph with `tree_mask`,
 `attention_bias` [N,1,T,total] float (0 where a node may attend, -inf where the tree forbids it; the
-causal order of the nodes is a superset of their ancestry). Rotary embedding stays the graph's own
-(`position_ids` give a tree node its depth while its K/V sit at the scratch index past + m), so the
-operator runs with do_rotary=0 and the default scale 1/sqrt(head_dim), as the exported `Attention` does.
+causal order of the nodes is a superset of their ancestry). The operator runs with the default scale
+1/sqrt(head_dim), as the exported `Attention` does. q/k/v and its output use the operator's own
+[N, T, H*hd] layout without Transposes, and (given `max_positions`) it applies the rotary embedding itself
+from cos/sin caches indexed by the graph's `position_ids`, so a tree node is still rotated by its depth while
+its K/V sit at the scratch index past + m (retrace.runtime.kv_inplace_layout).
 
 The bundle is unchanged (TensorRT reads the same graph whole); a graph whose attention does not have the
 exported form is left as it is (the backend then uses its gather path).
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from retrace.runtime.graph_prune import prune
+from retrace.runtime.kv_inplace_layout import Graph, bsh_input, bsh_output, rope_caches, rope_of
 
 BIAS = "attention_bias"
 
@@ -37,9 +40,14 @@ class InplaceKV:
     tree: bool  # the graph takes attention_bias (it had a tree_mask)
 
 
-def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int) -> InplaceKV | None:
+def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layout: bool = True,
+                  max_positions: int | None = None) -> InplaceKV | None:
     """Rewrite `model` (an onnx.ModelProto, changed in place) as described above; None (and `model`
-    untouched) when its attention is not the exported Concat(past, new) -> Attention form."""
+    untouched) when its attention is not the exported Concat(past, new) -> Attention form. fold_layout:
+    q/k/v and the output in the operator's own layout without Transposes (retrace.runtime.kv_inplace_layout);
+    False keeps a Transpose + Reshape on each of them (the form before, for comparisons). max_positions
+    (with fold_layout): the operator applies the rotary embedding itself (do_rotary, cos/sin caches over
+    positions 0..max_positions-1 indexed by the graph's position_ids: a tree node keeps its depth)."""
     from onnx import TensorProto, helper
 
     g = model.graph
@@ -65,26 +73,51 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int) -> Inplac
 
     bsh, bnsh = const("inplace_kv_bsh", [0, 0, -1]), const("inplace_kv_bnsh", [0, 0, num_heads, head_dim])
     out_names = {o.name for o in g.output}
+    gr = Graph.of(g)  # the lookups of the graph as exported (each layer below changes only its own nodes)
     new_outputs = []
+    caches: dict[tuple, tuple | None] = {}  # (cos, sin) of the graph's rotary -> the operator's caches
     for j, (att, (ck, cv)) in enumerate(layers):
         at = list(g.node).index(att)
         nodes = []
+        rope = _rope(gr, att.input[0], ck.input[1], head_dim, "position_ids" in inputs and fold_layout and
+                     max_positions)
+        if rope is not None and (key := tuple(rope.input[1:3])) not in caches:
+            caches[key] = rope_caches(g, gr, rope, "position_ids", max_positions, nodes)
+        rope_in = caches.get(tuple(rope.input[1:3])) if rope is not None else None
 
-        def to_bsh(x: str, what: str, j=j, nodes=nodes) -> str:
+        def to_bsh(x: str, what: str, heads: int, j=j, nodes=nodes) -> str:
+            if fold_layout and (flat := bsh_input(gr, x, heads, head_dim, bsh, f"inplace_kv_{j}_{what}", nodes)):
+                return flat
             nodes.append(helper.make_node("Transpose", [x], [f"inplace_kv_{j}_{what}_t"], perm=[0, 2, 1, 3]))
             nodes.append(helper.make_node("Reshape", [f"inplace_kv_{j}_{what}_t", bsh], [f"inplace_kv_{j}_{what}"]))
             return f"inplace_kv_{j}_{what}"
 
         past_k, past_v = ck.input[0], cv.input[0]
         present_k, present_v = f"present_{past_k[len('past_'):]}", f"present_{past_v[len('past_'):]}"
-        gqa_in = [to_bsh(att.input[0], "q"), to_bsh(ck.input[1], "k"), to_bsh(cv.input[1], "v"), past_k, past_v,
-                  "seqlens_k", "total_sequence_length", "", "", "", BIAS if tree else ""]
+        qk = None
+        if rope_in is not None:  # q and k before their rotary (the operator applies it), or neither
+            tmp: list = []
+            qk = [bsh_input(gr, x, h, head_dim, bsh, f"inplace_kv_{j}_{w}", tmp, skip_rotary=True)
+                  for x, h, w in ((att.input[0], num_heads, "q"), (ck.input[1], kv_heads, "k"))]
+            qk, rope_in = (None, None) if None in qk else (qk, rope_in)
+            nodes += tmp if qk else []
+        qk = qk or [to_bsh(att.input[0], "q", num_heads), to_bsh(ck.input[1], "k", kv_heads)]
+        gqa_in = [*qk, to_bsh(cv.input[1], "v", kv_heads), past_k, past_v,
+                  "seqlens_k", "total_sequence_length", *(rope_in or ("", "")),
+                  "position_ids" if rope_in else "", BIAS if tree else ""]
         gqa_in += ["", "", "", "", "", "query_seqlens"]  # head_sink, k/v scales, q/k norms, query_seqlens
-        nodes.append(helper.make_node("GroupQueryAttention", gqa_in, [f"inplace_kv_{j}_y", present_k, present_v],
+        after = bsh_output(gr, att.output[0], num_heads, head_dim) if fold_layout else None
+        y = after[1].output[0] if after else f"inplace_kv_{j}_y"  # straight into the o projection's Reshape's place
+        nodes.append(helper.make_node("GroupQueryAttention", gqa_in, [y, present_k, present_v],
                                       domain="com.microsoft", name=f"inplace_kv_gqa_{j}", num_heads=num_heads,
-                                      kv_num_heads=kv_heads, do_rotary=0))
-        nodes.append(helper.make_node("Reshape", [f"inplace_kv_{j}_y", bnsh], [f"inplace_kv_{j}_y4"]))
-        nodes.append(helper.make_node("Transpose", [f"inplace_kv_{j}_y4"], [att.output[0]], perm=[0, 2, 1, 3]))
+                                      kv_num_heads=kv_heads, do_rotary=int(rope_in is not None),
+                                      rotary_interleaved=int(rope_in is not None and _interleaved(rope))))
+        if after:
+            for n in after:
+                g.node.remove(n)
+        else:
+            nodes.append(helper.make_node("Reshape", [y, bnsh], [f"inplace_kv_{j}_y4"]))
+            nodes.append(helper.make_node("Transpose", [f"inplace_kv_{j}_y4"], [att.output[0]], perm=[0, 2, 1, 3]))
         g.node.remove(att)
         for k, n in enumerate(nodes):
             g.node.insert(at + k, n)
@@ -111,6 +144,20 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int) -> Inplac
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return InplaceKV(len(layers), tree)
+
+
+def _rope(gr, q: str, k: str, head_dim: int, allowed):
+    """The RotaryEmbedding of q (k's the same: same cos/sin, same layout) when the operator may apply it."""
+    if not allowed:
+        return None
+    rq, rk = rope_of(gr, q, head_dim), rope_of(gr, k, head_dim)
+    if rq is None or rk is None or rq.input[1:3] != rk.input[1:3] or _interleaved(rq) != _interleaved(rk):
+        return None
+    return rq
+
+
+def _interleaved(rope) -> int:
+    return next((a.i for a in rope.attribute if a.name == "interleaved"), 0)
 
 
 def tree_bias(tree_mask, past_len, total: int, dtype):

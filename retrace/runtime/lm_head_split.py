@@ -125,9 +125,15 @@ class LmHead:
         ONNX Runtime packs and then drops: the packed rows are the only copy kept)."""
         from onnx import numpy_helper
 
-        head = cls.__new__(cls)
         w = numpy_helper.from_array(np.ascontiguousarray(table), "lm_head_rows")
-        head._open(*_gemm_head(w), options, providers, device, "draft vocabulary head")
+        return cls.of_model(_gemm_head(w), options, providers, device, "draft vocabulary head")
+
+    @classmethod
+    def of_model(cls, head_model: tuple, options, providers: list, device: torch.device | str = "cpu",
+                 what: str = "LM head") -> LmHead:
+        """A head over a built one-node graph (model, V, elem), e.g. lm_head_nbits.nbits_rows_model's."""
+        head = cls.__new__(cls)
+        head._open(*head_model, options, providers, device, what)
         return head
 
     def _open(self, model, V: int, elem: int, options, providers: list, device, what: str) -> None:
@@ -136,6 +142,7 @@ class LmHead:
         if elem not in ELEMENT_DTYPE:
             raise BundleError(f"{what} has element type {elem}, not float32/16/bf16")
         self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        self.op_types = tuple(n.op_type for n in model.graph.node)  # Gemm, or MatMulNBits (int4 / int8)
         self.vocab, self.dtype, self.device = V, ELEMENT_DTYPE[elem], torch.device(device)
 
     def __call__(self, rows: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:

@@ -21,7 +21,8 @@ Shared weights: the drafter graph's copy of the target's embedding / LM head is 
 use one read-only mapping of the target's (retrace.runtime.shared_weights; bundles whose manifest lists
 graphs.drafter.shared_initializers; `share_weights=False` loads both copies, as older bundles do), and
 their LM head runs in a third session, the only one that prepacks it (retrace.runtime.lm_head_split;
-`lm_head_session` forces it on or off; by default on for a table of 16 MiB or more).
+`lm_head_session` forces it on or off; by default on for a float table of 16 MiB or more; an int4 / int8
+MatMulNBits head stays in each graph: one session run per call, see `head_session_pays`).
 
 Draft vocabulary (a bundle whose manifest has models.drafter.draft_vocab; retrace.models.draft_vocab): the
 drafter graph's head is cut off and its rows are scored in a session of their own over the subset's rows of
@@ -41,6 +42,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from retrace.engines.bundle import Bundle, BundleError, _inside
@@ -50,6 +52,7 @@ from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.bundle_configs import bundle_configs
 from retrace.runtime.kv_inplace import BIAS, to_inplace_kv, tree_bias
+from retrace.runtime.lm_head_nbits import nbits_rows_model
 from retrace.runtime.lm_head_split import (
     EXTERNAL_FOLDER_KEY,
     LM_HEAD_SESSION_MIN_BYTES,
@@ -220,8 +223,7 @@ class OnnxRuntimeBackend:
         t_head = rewrite_head(t_path, cut=True, model=t_model) if self.shared is not None else None
         d_head = rewrite_head(d_path, cut=True) if t_head is not None else None
         shared_head = (d_head is not None and self.shared.pairs.get(d_head.weight) == t_head.weight
-                       and (t_head.weight_bytes >= LM_HEAD_SESSION_MIN_BYTES if lm_head_session is None
-                            else lm_head_session))
+                       and (head_session_pays(t_head) if lm_head_session is None else lm_head_session))
         self.head = None
         if shared_head:
             self.head = LmHead(t_path, t_head.weight, _session_options(threads, session_options), self.providers,
@@ -288,18 +290,26 @@ class OnnxRuntimeBackend:
             raise RetraceError(f"the draft vocabulary is over {vocab.target_vocab_size} ids, the target's over "
                                f"{self.target_config.vocab_size}")
         d_path, weight = self._draft_table
-        # the target's mapping when the table is shared (no second copy read), else the drafter graph's own
-        t_name = self.shared.pairs.get(weight) if self.shared is not None else None
-        table = self.shared.arrays[t_name] if t_name is not None else map_initializer(d_path, weight)
-        if table.shape[0] != self.target_config.vocab_size:
-            raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target vocab's "
-                              f"{self.target_config.vocab_size}")
-        self.draft_vocab = vocab
-        self.draft_head = None if vocab is None else LmHead.of_rows(
-            table[vocab.ids.numpy()], _session_options(*self._head_options), self.providers, self.device)
-        if vocab is None and self.head is None:  # the full head: rows of the whole table, in a session too
-            self.draft_head, self.draft_vocab = LmHead.of_rows(table, _session_options(*self._head_options),
-                                                               self.providers, self.device), None
+        V, head = self.target_config.vocab_size, None
+        if vocab is not None or self.head is None:  # else the full head runs in the target's LM head session
+            rows, options = np.arange(V) if vocab is None else vocab.ids.numpy(), _session_options(*self._head_options)
+            # an int4 / int8 head: MatMulNBits over those rows of the packed table, its scales and zero points
+            nbits = nbits_rows_model(d_path, weight, rows, self._draft_array, V)
+            if nbits is not None:
+                head = LmHead.of_model(nbits, options, self.providers, self.device, "draft vocabulary head")
+            else:
+                table = self._draft_array(weight)
+                if table.shape[0] != V:
+                    raise BundleError(f"{d_path}: the drafter's LM head has {table.shape[0]} rows, not the target "
+                                      f"vocab's {V}")
+                head = LmHead.of_rows(table if vocab is None else table[rows], options, self.providers, self.device)
+        self.draft_vocab, self.draft_head = vocab, head
+
+    def _draft_array(self, name: str) -> np.ndarray:
+        """A drafter initializer's values: the target's mapping when it is shared (no second copy read),
+        else the drafter graph's own, mapped."""
+        t_name = self.shared.pairs.get(name) if self.shared is not None else None
+        return self.shared.arrays[t_name] if t_name is not None else map_initializer(self._draft_table[0], name)
 
     def _inplace_target(self, path: Path, kv_mode: str | None):
         """(the target graph rewritten for in-place K/V, its InplaceKV) or (None, None) where the mode is
@@ -322,7 +332,9 @@ class OnnxRuntimeBackend:
                 raise RetraceError(f"kv_mode='inplace' cannot run here ({why}): use kv_mode='gather'")
             return None, None
         c = self.target_config.layers
-        inplace = to_inplace_kv(model, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        # the rotary inside the operator where its position_ids handling was checked (tree depths): the CPU kernel
+        inplace = to_inplace_kv(model, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                max_positions=self.max_seq_len if where == "cpu" else None)
         if inplace is None and kv_mode == "inplace":
             raise RetraceError(f"{path}: kv_mode='inplace' needs the exported attention form (Concat(past, new) "
                                "-> Attention per layer); this graph has another one: use kv_mode='gather'")
@@ -453,6 +465,16 @@ class OnnxRuntimeBackend:
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
+
+
+def head_session_pays(head: HeadGraph) -> bool:
+    """The default for a shared LM head: its own session for a float table of LM_HEAD_SESSION_MIN_BYTES or
+    more (a packed float copy per session is the table again: 0.6B shape, peak RSS 4.22 vs 3.00 GB). A
+    MatMulNBits head stays in each graph: one session run per target / draft call instead of two, for a
+    packed copy per session (0.6B shape int4: peak RSS 0.89 vs 0.72 GB, 1.05x onnxruntime-genai int4's);
+    ONNX Runtime's Python API has no prepacked-weights container to share one packed copy between sessions,
+    and an unpacked MatMulNBits dequantizes all of B per call (docs/quantization.md)."""
+    return not head.nbits and head.weight_bytes >= LM_HEAD_SESSION_MIN_BYTES
 
 
 def bundle_draft_vocab(bundle: Bundle, vocab_size: int) -> DraftVocab | None:
