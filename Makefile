@@ -37,7 +37,7 @@ triton-env: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check retrace tests benchmarks
 	PYTHON=$(BIN)/python scripts/triton_env.sh
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(BIN)/retrace zoo tiny --out $(ZOO) --size small

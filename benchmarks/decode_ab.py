@@ -6,7 +6,8 @@ call by call interleaved (A B C, B C A, ...), so that a loaded machine slows eac
 
 `@KEY=VALUE` after a bundle: an ONNX Runtime session config entry for that system's sessions, except
 `@lm_head_session=0|1` (the backend's option: the shared LM head in its own session or in each graph) and
-`@fold_layout=0` (the in-place K/V graph with its layout Transposes, retrace.runtime.kv_inplace_layout).
+`@fold_layout=0` (the in-place K/V graph with its layout Transposes, retrace.runtime.kv_inplace_layout) and
+`@row_invariant=0` (one-token calls at width 1, retrace.runtime.row_invariance).
 `--rss`: instead, each system alone in a process of its own (load, 3 + 20 steps): its peak RSS (ru_maxrss).
 Prints, per system, the min, the 10th percentile and the median of its step times (ms), and the median
 process CPU time per step (all threads; less sensitive to other load than wall time, but it counts
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 
-BACKEND_KEYS = {"lm_head_session", "fold_layout"}
+BACKEND_KEYS = {"lm_head_session", "fold_layout", "row_invariant"}
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 # Threads that wait passively: with torch's default busy-waiting, a loaded 2-core machine runs 4-6x slower.
@@ -78,9 +79,16 @@ def tiny_pair(tmp_path):
 @pytest.fixture(scope="session")
 def zoo_target_stage(tmp_path_factory):
     """The tiny zoo's target stage (`build_target_stage(size="test", seed=0)`, this process's numerics), built
-    once per session: (directory, metrics of that first build). Tests must not change its target/, prompts/
-    or data/ (copy them to change them)."""
+    once per test run (pytest-xdist's workers share it: their base temp directories share the run's): (directory,
+    metrics of that first build). Tests must not change its target/, prompts/ or data/ (copy them to change them)."""
+    from filelock import FileLock
+
     from retrace.train.zoo_target import build_target_stage
 
-    out = tmp_path_factory.mktemp("zoo-target-stage")
-    return out, build_target_stage(out, size="test", seed=0, progress=False)
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out, first = root / "zoo-target-stage", root / "zoo-target-stage.json"
+    with FileLock(str(root / "zoo-target-stage.lock")):
+        if not first.exists():
+            first.write_text(json.dumps(build_target_stage(out, size="test", seed=0, progress=False)))
+    return out, json.loads(first.read_text())

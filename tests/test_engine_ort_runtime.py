@@ -18,6 +18,7 @@ from runtime_fixtures import OracleDrafter, hf_greedy, load_hf_target, steep_cos
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from retrace.runtime.row_invariance import SPARE, RowWidths, rows_matching_decodes
 from retrace.runtime.tokenizer import TextCodec
 
 MAX_NEW = 64
@@ -140,10 +141,20 @@ def test_returns_torch_tensors_without_copies(world):
     logits, taps = be.target(torch.tensor([1]), ids, pos, torch.tensor([[ids.shape[1] - 1]]))
     assert isinstance(logits, torch.Tensor) and logits.dtype == torch.float32 and logits.shape == (1, 1, VOCAB)
     assert taps.shape == (1, ids.shape[1], be.drafter_config.num_taps * be.target_config.hidden_size)
-    # the K/V landed in slot 1 at positions 0..T-1, nothing elsewhere
-    k0 = be.tcache.k[0]
-    assert (k0[1, :, : ids.shape[1]].abs().sum() > 0 and k0[0].abs().sum() == 0
-            and k0[1, :, ids.shape[1]:].abs().sum() == 0)
+    # the K/V landed in slot 1 at positions 0..T-1 (and at most a pad row's at T, retrace.runtime.row_invariance:
+    # the next call overwrites it), nothing elsewhere
+    k0, T = be.tcache.k[0], ids.shape[1]
+    assert (k0[1, :, :T].abs().sum() > 0 and k0[0].abs().sum() == 0 and k0[1, :, T + SPARE:].abs().sum() == 0)
+
+
+def test_verify_rows_are_bit_identical_to_the_decode_steps(world):
+    """fp32: GroupQueryAttention's one-token path differs from its wider one (retrace.runtime.row_invariance),
+    so the in-place graph gives it a pad row: each row of a T-token call then equals the decode step's
+    logits bit for bit (T = 2..9), with no padding of the call itself (float MatMul is row-invariant)."""
+    be = OnnxRuntimeBackend.from_bundle(world[0].bundle, threads=1, verify=False)
+    assert be.inplace.pad and be.widths == RowWidths(tokens="any", rows="any")
+    got = rows_matching_decodes(be)
+    assert got == {w: w for w in got}, got
 
 
 # -- the CLI ----------------------------------------------------------------------------------------------

@@ -79,4 +79,5 @@ def test_inplace_kv_tree_verify_matches_the_portable_graph(tree_bundle):
     past = torch.tensor([9, 5])
     call_both(ref, new, torch.tensor([0, 1]), torch.randint(0, VOCAB, (2, 5), generator=g), past[:, None] + depth,
                torch.arange(5).expand(2, 5).contiguous(), mask.expand(2, 5, 5).contiguous())
-    assert torch.allclose(ref.tcache.kv[:, :2, :, :14], new.tcache.kv[:, :2, :, :14], atol=1e-5)
+    for s, n in ((0, 14), (1, 10)):  # the entries written (past them: a pad row's, retrace.runtime.row_invariance)
+        assert torch.allclose(ref.tcache.kv[:, s, :, :n], new.tcache.kv[:, s, :, :n], atol=1e-5)

@@ -53,8 +53,8 @@ def test_calls_match_the_portable_graph(backends):
                    past[:, None] + torch.arange(T), torch.arange(T).expand(len(slots), T).contiguous())
         for s in slots:
             lens[s] += T
-    top = max(lens.values())
-    assert torch.allclose(ref.tcache.kv[:, :3, :, :top], new.tcache.kv[:, :3, :, :top], atol=1e-5)
+    for s, n in lens.items():  # the entries written (past them: a pad row's, retrace.runtime.row_invariance)
+        assert torch.allclose(ref.tcache.kv[:, s, :, :n], new.tcache.kv[:, s, :, :n], atol=1e-5)
 
 
 def test_another_attention_form_is_left_alone_and_explicit_inplace_refuses(backends, monkeypatch):

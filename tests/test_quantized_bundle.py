@@ -23,6 +23,7 @@ from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from retrace.runtime.prompt_lookup import PromptLookup
+from retrace.runtime.row_invariance import RowWidths, rows_matching_decodes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, BLOCK, MAX_BATCH, MAX_SEQ, MAX_NEW = 16, 8, 8, 128, 40
@@ -35,7 +36,7 @@ def qbundle(tmp_path_factory, one_thread):
                                  block_size=BLOCK, conditioner="random", seed=7)
     bundle = root / "bundle"
     cli_build(target, drafter, bundle, MAX_BATCH, MAX_SEQ, "--tree-mask", "--weights", "int4",
-              "--weight-block-size", "16", "--quiet")
+              "--weight-block-size", "16", "--head-block-size", "64", "--quiet")
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, V - 1, (n,), generator=g).tolist() for n in (5, 1, 9, 3, 12)]
     own = Runtime.from_bundle(bundle, threads=1).generate(prompts, SamplingParams(max_new_tokens=MAX_NEW + BLOCK + 2),
@@ -54,7 +55,8 @@ def test_manifest_records_the_quantization(qbundle):
     bundle = qbundle[0]
     m = json.loads((bundle / "manifest.json").read_text())
     q = m["quantization"]
-    assert (m["weights"], q["bits"], q["block_size"], q["accuracy_level"], q["symmetric"]) == ("int4", 4, 16, 4, True)
+    assert (m["weights"], q["bits"], q["block_size"], q["lm_head_block_size"], q["accuracy_level"],
+            q["symmetric"]) == ("int4", 4, 16, 64, 4, True)
     for name in ("target", "drafter"):
         proto = onnx.load(str(bundle / name / "model.onnx"), load_external_data=False)
         nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
@@ -63,7 +65,8 @@ def test_manifest_records_the_quantization(qbundle):
         inits = {i.name for i in proto.graph.initializer}
         assert not [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
         assert q["graphs"][name]["lm_head"].endswith("lm_head.weight.T")
-        assert all({a.name: a.i for a in n.attribute}["block_size"] == 16 for n in nbits)
+        blocks = {n.name: {a.name: a.i for a in n.attribute}["block_size"] for n in nbits}
+        assert blocks.pop("lm_head_matmul_Q4") == 64 and set(blocks.values()) == {16}  # the head at its own block
         assert m["graphs"][name]["ops"]["MatMulNBits"] == len(nbits)
         fused = q["graphs"][name]["fusions"]  # retrace.export.nbits_fusions ran on both graphs
         assert m["graphs"][name]["ops"].get("SkipSimplifiedLayerNormalization", 0) == fused["fuse_skip_rms_norm"]
@@ -96,6 +99,20 @@ def test_greedy_equals_the_bundles_own_ar(qbundle, mode):
     assert [r.token_ids for r in res] == want
     stats = rt_rows.run_stats()
     assert stats["tau"] > 1.5 and all(n > 0 for n in stats["accepted_hist"]), stats["accepted_hist"]
+
+
+def test_verify_rows_are_bit_identical_to_the_decode_steps(qbundle):
+    """retrace.runtime.row_invariance: every row of a T-token call (T = 2..9, odd and even) carries the
+    same logits, bit for bit, as the one-token decode step of `ar` at that position, so greedy speculative
+    decoding cannot leave `ar` at a near tie; in the LM head session too. Here the linear layers' block (16)
+    is row-invariant and the head's (64) needs an even number of rows; without the padding rows differ."""
+    for kw in ({}, {"lm_head_session": True}):
+        be = OnnxRuntimeBackend.from_bundle(qbundle[0], threads=1, **kw)
+        assert be.inplace.pad and be.widths == RowWidths(tokens="any", rows="pairs")
+        got = rows_matching_decodes(be)
+        assert got == {w: w for w in got}, (kw, got)
+    got = rows_matching_decodes(OnnxRuntimeBackend.from_bundle(qbundle[0], threads=1, row_invariant=False))
+    assert got != {w: w for w in got}, got
 
 
 def test_trees_prompt_lookup_and_the_lm_head_session(qbundle):
@@ -165,7 +182,9 @@ def test_the_layout_fold_keeps_the_int4_targets_calls(qbundle, monkeypatch):
     tree[2, 1] = tree[3, 1] = False  # nodes 1 and 2 both children of 0, 3 a child of 2
     call_both(ref, new, torch.tensor([2]), torch.randint(0, V, (1, 4), generator=g), torch.tensor([[6, 7, 7, 8]]),
               torch.arange(4)[None], tree[None])
-    assert torch.equal(ref.tcache.kv[:, :3, :, :16], new.tcache.kv[:, :3, :, :16])
+    # the entries written (past them: a pad row's, retrace.runtime.row_invariance)
+    for slot, filled in ((0, 12), (1, 7), (2, 10)):
+        assert torch.equal(ref.tcache.kv[:, slot, :, :filled], new.tcache.kv[:, slot, :, :filled])
 
 
 def test_sampling_follows_the_quantized_targets_distribution(qbundle):
@@ -199,6 +218,7 @@ def test_bad_quantization_options_are_refused(tmp_path):
     from retrace.export.cli import main
 
     cases = [(["--weights", "int4", "--weight-block-size", "24"], "power of two"),
+             (["--weights", "int4", "--head-block-size", "8"], "--head-block-size must be a power of two"),
              (["--weight-block-size", "32"], "need --weights int4 or int8"),
              (["--weights", "int8", "--dtype", "float16"], "--dtype float32")]
     for extra, msg in cases:

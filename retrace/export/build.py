@@ -75,6 +75,7 @@ class BuildOptions:
     weights: str = "fp32"
     weight_block_size: int | None = None
     accuracy_level: int | None = None
+    head_block_size: int | None = None
 
     def __post_init__(self):
         if self.tree_mask and self.backend != "onnxruntime":
@@ -84,7 +85,7 @@ class BuildOptions:
         self.out = Path(self.out)
         from retrace.export.quantize import WeightQuant
 
-        self.quant = WeightQuant(self.weights, self.weight_block_size, self.accuracy_level)
+        self.quant = WeightQuant(self.weights, self.weight_block_size, self.accuracy_level, self.head_block_size)
         if self.quant.quantized and (self.backend != "onnxruntime" or self.dtype != "float32"):
             raise RetraceError(f"--weights {self.weights} builds ONNX Runtime MatMulNBits graphs from float32 weights: "
                                "use it with --backend onnxruntime --dtype float32")
@@ -296,7 +297,8 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
     quantization = None
     if opts.quant.quantized:  # after the fp32 parity check: the quantized graphs are the deployed target
         q = opts.quant
-        with reporter.stage(f"quantize weights ({q.weights}, block {q.block}, accuracy level {q.level})"):
+        with reporter.stage(f"quantize weights ({q.weights}, block {q.block}, LM head block {q.head_block}, "
+                            f"accuracy level {q.level})"):
             from retrace.export.quantize import quantize_bundle
 
             quantization = quantize_bundle(ctx.graphs, target, q, reporter.note)

@@ -48,6 +48,8 @@ def _backends() -> list[str]:
                    "match torch")
 @click.option("--weight-block-size", type=int, default=None,
               help="quantization block along K (power of two >= 16) [default: 256 for int4, 128 for int8]")
+@click.option("--head-block-size", type=int, default=None,
+              help="the LM head's quantization block [default: --weight-block-size's]")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
               help="MatMulNBits accuracy_level (4: int8 activations, the fastest on CPU) [default: 4]")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="most concurrent requests")
@@ -69,9 +71,8 @@ def _backends() -> list[str]:
 @click.option("--tree-mask", is_flag=True,
               help="give the target graph the optional tree_mask input (tree verification: --tree-budget)")
 @cli_errors
-def build(target, drafter, out, backend, dtype, weights, weight_block_size, accuracy_level, max_batch, max_seq_len,
-          block_size, attention, tolerance,
-          conditioner, force, quiet, triton_repo, tree_mask) -> None:
+def build(target, drafter, out, backend, dtype, weights, weight_block_size, head_block_size, accuracy_level, max_batch,
+          max_seq_len, block_size, attention, tolerance, conditioner, force, quiet, triton_repo, tree_mask) -> None:
     """Export, check and package a target (+ drafter) as an engine bundle.
 
     The bundle is built in a temp directory beside --out and renamed into place only when every check
@@ -89,7 +90,8 @@ def build(target, drafter, out, backend, dtype, weights, weight_block_size, accu
     opts = BuildOptions(target=target, drafter=drafter, out=out, backend=backend, dtype=dtype, max_batch=max_batch,
                         max_seq_len=max_seq_len, block_size=block_size, force=force, attention=attention,
                         tolerance=tolerance, conditioner=conditioner, tree_mask=tree_mask, weights=weights,
-                        weight_block_size=weight_block_size, accuracy_level=accuracy_level)
+                        weight_block_size=weight_block_size, accuracy_level=accuracy_level,
+                        head_block_size=head_block_size)
     if not quiet:
         console.print(f"[bold]retrace-export build[/bold] {target} + {drafter or '(no drafter)'} -> {out} "
                       f"[dim]({backend}, {dtype}{'' if weights == 'fp32' else ', ' + weights + ' weights'})[/dim]")
@@ -174,7 +176,8 @@ def _summary(out: Path, manifest: dict, seconds: float) -> None:
     if manifest.get("quantization"):
         q = manifest["quantization"]
         a = q.get("agreement_with_fp32") or {}
-        console.print(f"weights {q['weights']} (block {q['block_size']}, accuracy level {q['accuracy_level']}); "
+        console.print(f"weights {q['weights']} (block {q['block_size']}, LM head {q.get('lm_head_block_size')}, "
+                      f"accuracy level {q['accuracy_level']}); "
                       f"top-1 agreement with fp32 {a.get('top1_agreement', 0):.1%}, max |logit error| "
                       f"{a.get('max_logit_error', 0):.3g} on {a.get('tokens')} held-out tokens")
     modes = "ar, dflash, retrace" if manifest["models"].get("conditioner") else (

@@ -41,10 +41,13 @@ WEIGHTS = ("fp32", "int8", "int4")
 BITS = {"int4": 4, "int8": 8}
 # int4: block 256 of K, the step onnxruntime-genai is fastest at (issue 25): ours at 256 costs 0.77x the CPU of
 # ours at 128 and is no slower than its 256, with no measurable loss of top-1 agreement with fp32 on the trained
-# zoo (90.8% at 256, 90.0% at 128, 91.1% at 32; docs/quantization.md). int8: 128 (not measured).
+# zoo (90.8% at 256, 90.0% at 128, 91.1% at 32; docs/quantization.md). int8: 128 (not measured). Block 32 would
+# be row-invariant without padding (retrace.runtime.row_invariance) but its decode step measured 1.7x block 256's
+# at the Qwen3-0.6B shape. The LM head takes the same block unless --head-block-size says otherwise.
 DEFAULT_BLOCK = {"int4": 256, "int8": 128}
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations in the CPU kernel (MatMulNBits accuracy_level)
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+HEAD_NODE = "lm_head_matmul"  # the LM head's MatMul after quantize_lm_head
 
 
 class QuantizeError(RetraceError):
@@ -58,6 +61,7 @@ class WeightQuant:
     weights: str = "fp32"
     block_size: int | None = None
     accuracy_level: int | None = None
+    head_block_size: int | None = None  # the LM head's block (default: block_size's)
     lm_head: bool = True
     fuse: bool = True  # retrace.export.nbits_fusions after quantizing
 
@@ -65,12 +69,13 @@ class WeightQuant:
         if self.weights not in WEIGHTS:
             raise QuantizeError(f"unknown --weights {self.weights!r} (choose from {', '.join(WEIGHTS)})")
         if self.weights == "fp32":
-            if self.block_size is not None or self.accuracy_level is not None:
-                raise QuantizeError("--weight-block-size and --accuracy-level need --weights int4 or int8")
+            if (self.block_size, self.accuracy_level, self.head_block_size) != (None, None, None):
+                raise QuantizeError("--weight-block-size, --head-block-size and --accuracy-level need --weights "
+                                    "int4 or int8")
             return
-        b = self.block
-        if b < 16 or b & (b - 1):
-            raise QuantizeError(f"--weight-block-size must be a power of two >= 16, got {b}")
+        for option, b in (("--weight-block-size", self.block), ("--head-block-size", self.head_block)):
+            if b < 16 or b & (b - 1):
+                raise QuantizeError(f"{option} must be a power of two >= 16, got {b}")
         if self.level not in ACCURACY_LEVELS:
             raise QuantizeError(f"--accuracy-level must be one of {ACCURACY_LEVELS}, got {self.level}")
 
@@ -87,11 +92,16 @@ class WeightQuant:
         return self.block_size if self.block_size is not None else DEFAULT_BLOCK.get(self.weights, 0)
 
     @property
+    def head_block(self) -> int:
+        return self.head_block_size if self.head_block_size is not None else self.block
+
+    @property
     def level(self) -> int:
         return DEFAULT_ACCURACY_LEVEL if self.accuracy_level is None else self.accuracy_level
 
     def manifest(self) -> dict:
         return {"weights": self.weights, "bits": self.bits, "block_size": self.block,
+                "lm_head_block_size": self.head_block if self.lm_head else None,
                 "accuracy_level": self.level, "symmetric": True, "lm_head": self.lm_head, "fused": self.fuse,
                 "quantizer": "onnxruntime.quantization.matmul_nbits_quantizer (DEFAULT, RTN)"}
 
@@ -122,7 +132,7 @@ def quantize_lm_head(model, base_dir: Path) -> str | None:
     at = list(g.node).index(gemm)
     g.node.remove(gemm)
     g.node.insert(at,
-                  onnx.helper.make_node("MatMul", [gemm.input[0], wt.name], list(gemm.output), name="lm_head_matmul"))
+                  onnx.helper.make_node("MatMul", [gemm.input[0], wt.name], list(gemm.output), name=HEAD_NODE))
     prune(g)
     return head.weight
 
@@ -145,12 +155,19 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
         head = None
         load_external_data_for_model(model, str(path.parent))
     before = {n.name for n in model.graph.node if n.op_type == "MatMul"}
-    config = DefaultWeightOnlyQuantConfig(block_size=q.block, is_symmetric=True, accuracy_level=q.level,
-                                          bits=q.bits)
-    quantizer = MatMulNBitsQuantizer(model, bits=q.bits, block_size=q.block, is_symmetric=True,
-                                     accuracy_level=q.level, algo_config=config)
-    quantizer.process()
-    out = quantizer.model.model
+
+    def run(m, block: int, **which):
+        config = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, accuracy_level=q.level,
+                                              bits=q.bits)
+        quantizer = MatMulNBitsQuantizer(m, bits=q.bits, block_size=block, is_symmetric=True,
+                                         accuracy_level=q.level, algo_config=config, **which)
+        quantizer.process()
+        return quantizer.model.model
+
+    split = head is not None and q.head_block != q.block
+    if split:  # the head at its own block first, then every other linear layer
+        model = run(model, q.head_block, nodes_to_exclude=sorted(before - {HEAD_NODE}))
+    out = run(model, q.block, nodes_to_exclude=[HEAD_NODE] if split else None)
     nodes = sorted(n.name for n in out.graph.node if n.op_type == "MatMulNBits")
     if not nodes:
         raise QuantizeError(f"{path}: the quantizer found no MatMul with a constant weight to quantize")

@@ -38,16 +38,20 @@ BIAS = "attention_bias"
 class InplaceKV:
     layers: int
     tree: bool  # the graph takes attention_bias (it had a tree_mask)
+    pad: bool = False  # each GroupQueryAttention runs on T + 1 rows (pad_attention; the backend's seqlens say so)
 
 
 def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layout: bool = True,
-                  max_positions: int | None = None) -> InplaceKV | None:
+                  max_positions: int | None = None, pad_attention: bool = False) -> InplaceKV | None:
     """Rewrite `model` (an onnx.ModelProto, changed in place) as described above; None (and `model`
     untouched) when its attention is not the exported Concat(past, new) -> Attention form. fold_layout:
     q/k/v and the output in the operator's own layout without Transposes (retrace.runtime.kv_inplace_layout);
     False keeps a Transpose + Reshape on each of them (the form before, for comparisons). max_positions
     (with fold_layout): the operator applies the rotary embedding itself (do_rotary, cos/sin caches over
-    positions 0..max_positions-1 indexed by the graph's position_ids: a tree node keeps its depth)."""
+    positions 0..max_positions-1 indexed by the graph's position_ids: a tree node keeps its depth).
+    pad_attention: each operator gets q/k/v (and position_ids) with their last row repeated and its output
+    cut back to T rows, so it never runs its one-token path (retrace.runtime.row_invariance); its K/V land
+    one entry past the call, which the next call overwrites."""
     from onnx import TensorProto, helper
 
     g = model.graph
@@ -72,6 +76,7 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layo
         return name
 
     bsh, bnsh = const("inplace_kv_bsh", [0, 0, -1]), const("inplace_kv_bnsh", [0, 0, num_heads, head_dim])
+    pad = AttentionPad(g, const) if pad_attention else None
     out_names = {o.name for o in g.output}
     gr = Graph.of(g)  # the lookups of the graph as exported (each layer below changes only its own nodes)
     new_outputs = []
@@ -102,16 +107,21 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layo
             qk, rope_in = (None, None) if None in qk else (qk, rope_in)
             nodes += tmp if qk else []
         qk = qk or [to_bsh(att.input[0], "q", num_heads), to_bsh(ck.input[1], "k", kv_heads)]
-        gqa_in = [*qk, to_bsh(cv.input[1], "v", kv_heads), past_k, past_v,
-                  "seqlens_k", "total_sequence_length", *(rope_in or ("", "")),
-                  "position_ids" if rope_in else "", BIAS if tree else ""]
+        qkv = [*qk, to_bsh(cv.input[1], "v", kv_heads)]
+        if pad is not None:
+            qkv = [pad.grow(x, nodes) for x in qkv]
+        gqa_in = [*qkv, past_k, past_v, "seqlens_k", "total_sequence_length", *(rope_in or ("", "")),
+                  (pad.positions(nodes) if pad else "position_ids") if rope_in else "", BIAS if tree else ""]
         gqa_in += ["", "", "", "", "", "query_seqlens"]  # head_sink, k/v scales, q/k norms, query_seqlens
         after = bsh_output(gr, att.output[0], num_heads, head_dim) if fold_layout else None
         y = after[1].output[0] if after else f"inplace_kv_{j}_y"  # straight into the o projection's Reshape's place
-        nodes.append(helper.make_node("GroupQueryAttention", gqa_in, [y, present_k, present_v],
+        y_rows = y if pad is None else f"{y}_padded"
+        nodes.append(helper.make_node("GroupQueryAttention", gqa_in, [y_rows, present_k, present_v],
                                       domain="com.microsoft", name=f"inplace_kv_gqa_{j}", num_heads=num_heads,
                                       kv_num_heads=kv_heads, do_rotary=int(rope_in is not None),
                                       rotary_interleaved=int(rope_in is not None and _interleaved(rope))))
+        if pad is not None:
+            pad.cut(y_rows, y, nodes)
         if after:
             for n in after:
                 g.node.remove(n)
@@ -127,6 +137,9 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layo
         shape = ["N", kv_heads, "max_seq_len", head_dim]
         new_outputs += [helper.make_tensor_value_info(p, dtype, shape) for p in (present_k, present_v)]
 
+    if pad is not None:
+        for k, n in enumerate(pad.head):  # position_ids padded once, before every layer
+            g.node.insert(k, n)
     # the per-call new K/V are in the cache already: no longer outputs
     keep = [o for o in g.output if not o.name.startswith(("new_key_", "new_value_"))]
     del g.output[:]
@@ -143,7 +156,44 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layo
         g.input.append(helper.make_tensor_value_info(BIAS, dtype, ["N", 1, "T", "total"]))
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return InplaceKV(len(layers), tree)
+    return InplaceKV(len(layers), tree, pad is not None)
+
+
+class AttentionPad:
+    """The nodes that give GroupQueryAttention T + 1 rows (the last one repeated) and take T back."""
+
+    def __init__(self, g, const):
+        self.last = const("inplace_kv_pad_last", [-1]), const("inplace_kv_pad_end", [2**62]), const(
+            "inplace_kv_pad_axis", [1])
+        self.drop = const("inplace_kv_pad_zero", [0]), const("inplace_kv_pad_drop", [-1]), self.last[2]
+        self.one = const("inplace_kv_pad_one", [1])
+        self.head: list = []
+        self._positions: str | None = None
+
+    def grow(self, x: str, nodes: list) -> str:
+        from onnx import helper
+
+        nodes.append(helper.make_node("Slice", [x, *self.last], [f"{x}_lastrow"]))
+        nodes.append(helper.make_node("Concat", [x, f"{x}_lastrow"], [f"{x}_padrow"], axis=1))
+        return f"{x}_padrow"
+
+    def positions(self, nodes: list) -> str:
+        """position_ids [N, T] -> [N, T + 1] (the pad row one past the last), built once."""
+        from onnx import helper
+
+        if self._positions is None:
+            last = "inplace_kv_pad_positions_last"
+            self.head += [helper.make_node("Slice", ["position_ids", *self.last], [last]),
+                          helper.make_node("Add", [last, self.one], [f"{last}_next"]),
+                          helper.make_node("Concat", ["position_ids", f"{last}_next"], ["inplace_kv_pad_positions"],
+                                           axis=1)]
+            self._positions = "inplace_kv_pad_positions"
+        return self._positions
+
+    def cut(self, rows: str, y: str, nodes: list) -> None:
+        from onnx import helper
+
+        nodes.append(helper.make_node("Slice", [rows, *self.drop], [y]))
 
 
 def _rope(gr, q: str, k: str, head_dim: int, allowed):

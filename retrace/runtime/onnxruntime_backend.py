@@ -67,6 +67,7 @@ from retrace.runtime.ort_io_binding import (
     session_device,
     torch_dtype,
 )
+from retrace.runtime.row_invariance import SPARE, RowWidths, nbits_rule, pad_tree_mask, stricter
 from retrace.runtime.shared_weights import SharedWeights, map_initializer
 
 KV_MODES = ("inplace", "gather", "full")
@@ -193,10 +194,13 @@ class OnnxRuntimeBackend:
     def __init__(self, bundle: Bundle, max_batch: int | None = None, max_seq_len: int | None = None,
                  threads: int | None = None, providers: list | None = None, kv_mode: str | None = None,
                  session_options: dict | None = None, share_weights: bool = True,
-                 lm_head_session: bool | None = None, device: str | None = None, draft_vocab: bool = True):
+                 lm_head_session: bool | None = None, device: str | None = None, draft_vocab: bool = True,
+                 row_invariant: bool = True):
         """device: where the caches and outputs live (default: the first execution provider's; "cpu" with a
         CUDA provider keeps them in host memory, ONNX Runtime then copying them per call). draft_vocab=False:
-        the drafter's full head even where the bundle has a draft vocabulary."""
+        the drafter's full head even where the bundle has a draft vocabulary. row_invariant=False: target
+        calls at their own widths (retrace.runtime.row_invariance; a verify row may then differ from the
+        decode step's in the last bits)."""
         _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
         if kv_mode is not None and kv_mode not in KV_MODES:
@@ -218,7 +222,7 @@ class OnnxRuntimeBackend:
         # its own (the only packed copy; loaded first, while nothing else is resident: a lower peak), a small
         # one is prepacked inside each graph (one call fewer per step)
         t_path, d_path = bundle.graph_path("target"), bundle.graph_path("drafter") if self.drafter_config else None
-        t_model, self.inplace = self._inplace_target(t_path, kv_mode)
+        t_model, self.inplace = self._inplace_target(t_path, kv_mode, row_invariant)
         self.kv_mode = "inplace" if self.inplace else (kv_mode or "gather")  # the drafter's: gather or full
         t_head = rewrite_head(t_path, cut=True, model=t_model) if self.shared is not None else None
         d_head = rewrite_head(d_path, cut=True) if t_head is not None else None
@@ -258,10 +262,11 @@ class OnnxRuntimeBackend:
                 feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
                 self._num_features = int(feats.shape[-1])
         self.threads = threads
+        self.widths = row_widths(bundle, self.inplace) if row_invariant else None
 
         dtype = self.tgraph.dtype("past_key_0")
         tc = self.target_config.layers
-        self.tcache = _Cache(tc.num_hidden_layers, self.max_batch, tc.num_key_value_heads, self.max_seq_len,
+        self.tcache = _Cache(tc.num_hidden_layers, self.max_batch, tc.num_key_value_heads, self.max_seq_len + SPARE,
                              tc.head_dim, dtype, self.device)
         self.dcache = None
         if self.drafter_config is not None:
@@ -311,7 +316,7 @@ class OnnxRuntimeBackend:
         t_name = self.shared.pairs.get(name) if self.shared is not None else None
         return self.shared.arrays[t_name] if t_name is not None else map_initializer(self._draft_table[0], name)
 
-    def _inplace_target(self, path: Path, kv_mode: str | None):
+    def _inplace_target(self, path: Path, kv_mode: str | None, row_invariant: bool):
         """(the target graph rewritten for in-place K/V, its InplaceKV) or (None, None) where the mode is
         not inplace or (auto mode) the graph does not have the exported attention form."""
         if kv_mode not in (None, "inplace"):
@@ -334,7 +339,8 @@ class OnnxRuntimeBackend:
         c = self.target_config.layers
         # the rotary inside the operator where its position_ids handling was checked (tree depths): the CPU kernel
         inplace = to_inplace_kv(model, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                max_positions=self.max_seq_len if where == "cpu" else None)
+                                max_positions=self.max_seq_len + SPARE if where == "cpu" else None,
+                                pad_attention=where == "cpu" and row_invariant)
         if inplace is None and kv_mode == "inplace":
             raise RetraceError(f"{path}: kv_mode='inplace' needs the exported attention form (Concat(past, new) "
                                "-> Attention per layer); this graph has another one: use kv_mode='gather'")
@@ -358,6 +364,15 @@ class OnnxRuntimeBackend:
 
     # -- Backend protocol ------------------------------------------------------------------------------
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
+        T, K = input_ids.shape[1], logits_index.shape[1]
+        if self.widths is not None:
+            input_ids, positions, logits_index, tree_mask = self.widths.pad(input_ids, positions, logits_index,
+                                                                            tree_mask)
+        logits, taps = self._target(slots, input_ids, positions, logits_index, tree_mask)
+        return (logits if logits.shape[1] == K else logits[:, :K].contiguous(),
+                taps if taps.shape[1] == T else taps[:, :T].contiguous())
+
+    def _target(self, slots, input_ids, positions, logits_index, tree_mask):
         g = self.tgraph
         N, T = input_ids.shape
         past_len = positions[:, 0].contiguous()
@@ -396,17 +411,19 @@ class OnnxRuntimeBackend:
         new K/V land at [past, past + T) of each row (a tree's nodes at their scratch indices, as above)."""
         g = self.tgraph
         N = slots.numel()
-        total = int(past_len.max()) + T
+        total = int(past_len.max()) + T + self.inplace.pad
         rows = contiguous_range(slots)
         # scattered slots: their caches up to the call's end gathered into a buffer of that capacity (the
         # operator needs only capacity >= past + T), the new entries written back below
         kv = (self.tcache.kv[:, rows] if rows is not None
               else torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots.to(self.device)))
-        feeds.update(seqlens_k=(past_len + (T - 1)).to(torch.int32),
-                     query_seqlens=torch.full((N,), T, dtype=torch.int32),
+        rows_in = T + self.inplace.pad  # the operator's rows (a pad row: retrace.runtime.row_invariance)
+        feeds.update(seqlens_k=(past_len + (rows_in - 1)).to(torch.int32),
+                     query_seqlens=torch.full((N,), rows_in, dtype=torch.int32),
                      total_sequence_length=torch.tensor(total, dtype=torch.int32))
         if BIAS in g.inputs:
-            feeds[BIAS] = tree_bias(feeds["tree_mask"], past_len, total, g.dtype(BIAS))
+            mask = pad_tree_mask(feeds["tree_mask"], rows_in)
+            feeds[BIAS] = tree_bias(mask, past_len, total, g.dtype(BIAS))
         caches = dict(zip(g.past_names, kv, strict=True))
         feeds.update(caches)
         out.update({"present_" + name[len("past_"):]: t for name, t in caches.items()})
@@ -465,6 +482,16 @@ class OnnxRuntimeBackend:
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
+
+
+def row_widths(bundle: Bundle, inplace) -> RowWidths:
+    """What the target's kernels need for row-invariant calls (retrace.runtime.row_invariance): the body's
+    MatMulNBits and, unless the in-place graph pads it, attention's one-token path; the LM head's."""
+    q = bundle.manifest.get("quantization") or {}
+    level = q.get("accuracy_level")
+    body = nbits_rule(q.get("block_size"), level) if q else "any"
+    head = nbits_rule(q.get("lm_head_block_size", q.get("block_size")), level) if q.get("lm_head") else "any"
+    return RowWidths(tokens=stricter(body, "any" if inplace is not None and inplace.pad else "two"), rows=head)
 
 
 def head_session_pays(head: HeadGraph) -> bool:

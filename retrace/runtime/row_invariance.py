@@ -1,0 +1,107 @@
+"""Row-invariant target calls: every row of a call computed by the same kernels whatever the call's width, so
+a verify row's logits are bit-identical to the decode step's that `ar` runs and greedy speculative decoding
+reproduces `ar` exactly, not only up to near ties.
+
+Measured on ONNX Runtime 1.32, CPU provider, AVX-512 (docs/quantization.md, "Row invariance"):
+- GroupQueryAttention has a one-token path: a T=1 call's attention output differs in the last bits from
+  the same row in any T >= 2 call (widths >= 2 agree bit for bit). The in-place graph therefore gives the
+  operator T + 1 rows (retrace.runtime.kv_inplace `pad_attention`), at the cost of one attention row.
+- float MatMul (MLAS SGEMM) is row-invariant at every M.
+- MatMulNBits with int8 activations (accuracy_level 4): row-invariant at every M for quantization blocks
+  <= 32; at blocks >= 64 a one-row kernel (faster: the decode step's) differs from the multi-row one, which
+  also computes the odd last row of M by the one-row kernel: rows agree only when M is even. At accuracy
+  levels 0-3 only M = 1 differs.
+- int8 activation rounding turns last-bit differences into ~1e-3 of the logits: before this module 3-4 of
+  16 prompts x 96 tokens of the int4 0.6B bundle's fixed-policy retrace and prompt-lookup outputs left its
+  own `ar` output at near ties.
+
+`RowWidths` pads what the kernels need: the tokens of a call (input_ids, positions and a tree's mask)
+and the logits rows (logits_index), each by at most one entry. Rules: "any" (nothing), "two" (M >= 2),
+"pairs" (M even). M counts rows over the whole batch (N rows x T tokens, or N x K logits rows). Pad tokens
+repeat the last token one position further (a tree's pad node sees the past and itself; nobody sees it);
+their K/V land one entry past the call, which the next call overwrites (caches keep `SPARE` entries
+beyond max_seq_len). Outputs are cut back to T / K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SPARE = 1  # cache entries beyond max_seq_len: the pad row of a call that ends at max_seq_len
+RULES = ("any", "two", "pairs")
+
+
+def nbits_rule(block_size: int | None, accuracy_level: int | None) -> str:
+    """The rows a MatMulNBits of this block size / accuracy level needs to be row-invariant (see above)."""
+    if block_size is None:  # float
+        return "any"
+    if accuracy_level == 4:
+        return "any" if block_size <= 32 else "pairs"
+    return "two"
+
+
+def stricter(*rules: str) -> str:
+    return max(rules, key=RULES.index)
+
+
+def _extra(rule: str, n: int, t: int) -> int:
+    m = n * t
+    return int(rule == "two" and m == 1 or rule == "pairs" and m % 2 == 1)
+
+
+@dataclass(frozen=True)
+class RowWidths:
+    tokens: str  # the rule for the graph's body (every linear layer; attention handled in the graph or here)
+    rows: str  # the rule for the LM head (the logits rows)
+
+    def pad(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+            tree_mask: torch.Tensor | None):
+        """-> (input_ids, positions, logits_index, tree_mask), padded where the rules ask (else unchanged)."""
+        N, T = input_ids.shape
+        if _extra(self.tokens, N, T):
+            input_ids = torch.cat([input_ids, input_ids[:, -1:]], 1)
+            positions = torch.cat([positions, positions[:, -1:] + 1], 1)
+            tree_mask = None if tree_mask is None else pad_tree_mask(tree_mask, T + 1)
+        if _extra(self.rows, N, logits_index.shape[1]):
+            logits_index = torch.cat([logits_index, logits_index[:, -1:]], 1)
+        return input_ids, positions, logits_index, tree_mask
+
+    def width(self, n: int, t: int) -> int:
+        """The tokens per row a call of n rows x t tokens runs with."""
+        return t + _extra(self.tokens, n, t)
+
+
+def pad_tree_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, T, T] -> [N, width, width]: each pad node attends to itself only (and the past), none to it."""
+    N, T, _ = mask.shape
+    if width == T:
+        return mask
+    grown = torch.zeros(N, width, width, dtype=mask.dtype, device=mask.device)
+    grown[:, :T, :T] = mask
+    grown[:, range(T, width), range(T, width)] = True
+    return grown
+
+
+def rows_matching_decodes(be, widths=(2, 3, 4, 5, 8, 9), prefill: int = 6, seed: int = 0) -> dict[int, int]:
+    """The check behind this module, on any backend: for each width T, how many rows of ONE T-token target call
+    are bit-identical to the T one-token calls (the decode steps `ar` runs) over the same random tokens from
+    the same past. Writes slots 0 and 1 of the backend's caches."""
+    g = torch.Generator().manual_seed(seed)
+    V = be.target_config.vocab_size
+    T = max(widths)
+    ids = torch.randint(0, V, (1, prefill + T), generator=g)
+
+    def call(slot: int, start: int, n: int) -> torch.Tensor:
+        chunk = ids[:, start:start + n]
+        return be.target(torch.tensor([slot]), chunk, torch.arange(start, start + n)[None], torch.arange(n)[None])[0][0]
+
+    for slot in (0, 1):
+        call(slot, 0, prefill)
+    decodes = [call(0, prefill + i, 1)[0] for i in range(T)]
+    out = {}
+    for w in widths:
+        rows = call(1, prefill, w)
+        out[w] = sum(torch.equal(rows[i], decodes[i]) for i in range(w))
+    return out
