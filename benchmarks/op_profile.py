@@ -2,7 +2,7 @@
 in-place K/V, the LM head in its own session where it is cut) against an onnxruntime-genai model, both with
 ONNX Runtime's own profiler (SessionOptions.enable_profiling) at the same threads and context (not a test).
 
-    python benchmarks/op_profile.py --bundle B-int4 [--genai GENAI_MODEL_DIR] [--threads 2] [--context 128]
+    python benchmarks/op_profile.py --bundle NAME=B-int4[@row_invariant=0] [--genai GENAI_MODEL_DIR] [--threads 2] [--context 128]
         [--steps 16] [--batch 1] [--spinning 0|1] [--json F]
 
 --spinning sets our sessions' session.intra_op.allow_spinning; onnxruntime-genai keeps ONNX Runtime's default
@@ -62,8 +62,10 @@ def _ours(bundle: str, args, out_dir: str) -> dict:
 
     ob._session_options = profiled
     entries = {"session.intra_op.allow_spinning": str(args.spinning)}
+    bundle, _, option = bundle.partition("@")  # DIR@row_invariant=0: retrace.runtime.row_invariance off
     be = ob.OnnxRuntimeBackend.from_bundle(bundle, max_batch=args.batch, threads=args.threads, verify=False,
-                                           max_seq_len=args.context + 64, session_options=entries)
+                                           max_seq_len=args.context + 64, session_options=entries,
+                                           row_invariant=option != "row_invariant=0")
     be.tcache.kv.normal_(0, 1)
     slots = torch.arange(args.batch)
     vocab = be.target_config.vocab_size
