@@ -2,8 +2,8 @@
 in-place K/V, the LM head in its own session where it is cut) against an onnxruntime-genai model, both with
 ONNX Runtime's own profiler (SessionOptions.enable_profiling) at the same threads and context (not a test).
 
-    python benchmarks/op_profile.py --bundle NAME=B-int4[@row_invariant=0] [--genai GENAI_MODEL_DIR] [--threads 2] [--context 128]
-        [--steps 16] [--batch 1] [--spinning 0|1] [--json F]
+    python benchmarks/op_profile.py --bundle NAME=B-int4[@row_invariant=0] [--genai GENAI_MODEL_DIR] [--threads 2]
+        [--context 128] [--steps 16] [--batch 1] [--spinning 0|1] [--json F]
 
 --spinning sets our sessions' session.intra_op.allow_spinning; onnxruntime-genai keeps ONNX Runtime's default
 (spinning on: its config has no key for it).
