@@ -6,7 +6,8 @@ onnxruntime-genai int4 / int8 and llama.cpp Q4_K_M / Q8_0 (not a test).
         [--tokens 1,2,4,8,16] [--batches 1,4] [--cache-dir D] [--json F]
 
 `--bundle NAME=DIR@KEY=VALUE[@KEY=VALUE]`: ONNX Runtime session config entries for that system's sessions
-(e.g. `@session.intra_op.allow_spinning=1@session.force_spinning_stop=1`).
+(e.g. `@session.intra_op.allow_spinning=1@session.force_spinning_stop=1`), except `@row_invariant=0`: the
+backend's calls at their own widths (retrace.runtime.row_invariance).
 Every system lives in its own worker process (its peak RSS is that process's ru_maxrss after its load and
 all its measurements); the rounds interleave the systems, each figure is the median over rounds of the
 median of `--steps` calls in a round.
@@ -49,9 +50,11 @@ class Ours:
 
         self.torch = torch
         bundle, *opts = bundle.split("@")  # NAME=DIR@KEY=VALUE...: session config entries for this system
+        entries = dict(o.split("=", 1) for o in opts)
+        invariant = entries.pop("row_invariant", "1") not in ("0", "false")  # retrace.runtime.row_invariance
         self.be = OnnxRuntimeBackend.from_bundle(bundle, max_batch=max_batch, threads=threads, verify=False,
-                                                 max_seq_len=max_len,
-                                                 session_options=dict(o.split("=", 1) for o in opts) or None)
+                                                 max_seq_len=max_len, session_options=entries or None,
+                                                 row_invariant=invariant)
         self.be.tcache.kv.normal_(0, 1)
         self.vocab = self.be.target_config.vocab_size
 
