@@ -52,6 +52,10 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
         is_flag=True, help="run the torch backend's target and drafter steps under torch.compile(fullgraph=True)")),
     "cuda_graphs": ("no_cuda_graphs", "--no-cuda-graphs", dict(
         is_flag=True, help="on CUDA, run the torch backend's steps eagerly instead of as captured CUDA graphs")),
+    "row_invariant": ("no_row_invariance", "--no-row-invariance", dict(
+        is_flag=True, help="an ONNX Runtime bundle's target calls at their own widths: a faster decode step (int4: "
+                           "~20%%), but a verify row may then differ from it in the last bits, so speculative "
+                           "output can leave plain decoding's at near ties (runtime/row_invariance.py)")),
 }
 
 SOURCE_OPTIONS = [  # where the runtime comes from (not RuntimeOptions: they pick the backend and its files)
@@ -99,7 +103,7 @@ def options_from_flags(values: dict):
     for field, (param, _, _) in FLAGS.items():
         if param in values:
             given[field] = values[param]
-    for name in ("verify_bundle", "cuda_graphs"):  # "--no-" flags: off when given, else the backend's default
+    for name in ("verify_bundle", "cuda_graphs", "row_invariant"):  # "--no-" flags: off when given, else the default
         if name in given:
             given[name] = False if given[name] else None
     try:

@@ -155,6 +155,10 @@ def test_verify_rows_are_bit_identical_to_the_decode_steps(world):
     assert be.inplace.pad and be.widths == RowWidths(tokens="any", rows="any")
     got = rows_matching_decodes(be)
     assert got == {w: w for w in got}, got
+    plain = Runtime.from_bundle(world[0].bundle, threads=1, verify_bundle=False, row_invariant=False).backend
+    assert plain.widths is None and not plain.inplace.pad  # --no-row-invariance: the calls at their own widths
+    with pytest.raises(RetraceError, match="applies to an ONNX Runtime bundle"):
+        Runtime.from_dirs(world[0].target, world[0].drafter, row_invariant=False)
 
 
 # -- the CLI ----------------------------------------------------------------------------------------------
@@ -166,6 +170,7 @@ def test_generate_cli_with_engine_matches_dirs(world):
               "--max-batch", str(MAX_BATCH)]
     out = {}
     for name, src in (("engine", ["--engine", str(built.bundle)]),
+                      ("plain", ["--engine", str(built.bundle), "--no-row-invariance"]),
                       ("dirs", ["--target", str(built.target), "--drafter", str(built.drafter), "--max-seq-len",
                                 str(MAX_SEQ)])):
         res = CliRunner().invoke(main, ["generate", *src, *common])
@@ -174,6 +179,7 @@ def test_generate_cli_with_engine_matches_dirs(world):
     e, d = out["engine"], out["dirs"]
     assert set(e) == set(d) and set(e["outputs"][0]) == set(d["outputs"][0]) and set(e["stats"]) == set(d["stats"])
     assert e["outputs"][0]["token_ids"] == d["outputs"][0]["token_ids"] == greedy[2][:20]
+    assert out["plain"]["outputs"][0]["token_ids"] == greedy[2][:20]
     assert e["outputs"][0]["text"] == words(greedy[2][:20])
     assert e["stats"]["backend"] == "onnxruntime" and d["stats"]["backend"] == "torch"
 

@@ -88,6 +88,8 @@ class Runtime:
         fields as keyword arguments): max_batch / max_seq_len (default 8 / 2048), threads, device, dtype,
         compile (runtime/options.py), and the round's options."""
         opts = RuntimeOptions.of(options, **option_kwargs)
+        if opts.row_invariant is not None:
+            raise RetraceError("row_invariant (--no-row-invariance) applies to an ONNX Runtime bundle (--engine)")
         if backend != "torch":
             raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
                                "with --target/--drafter use the torch backend")
@@ -112,9 +114,11 @@ class Runtime:
             raise RetraceError("--compile applies to the torch backend (--target/--drafter), not to a bundle")
         if opts.cuda_graphs:
             raise RetraceError("cuda_graphs applies to the torch backend (--target/--drafter), not to a bundle")
+        if opts.row_invariant is not None and backend != "onnxruntime":
+            raise RetraceError("row_invariant (--no-row-invariance) applies to the onnxruntime backend")
         extra = _bundle_device(backend, opts.device, opts.dtype)
         given = {"max_batch": opts.max_batch, "max_seq_len": opts.max_seq_len, "threads": opts.threads,
-                 "verify": opts.verify_bundle}
+                 "verify": opts.verify_bundle, "row_invariant": opts.row_invariant}
         extra.update({k: v for k, v in given.items() if v is not None})
         be = _load_backend_class(backend).from_bundle(bundle_dir, **{**extra, **backend_kwargs})
         return cls(be, TextCodec.find(Path(bundle_dir) / "tokenizer", bundle_dir), opts)

@@ -63,6 +63,8 @@ class RuntimeOptions:
     #   (runtime/cuda_graphs.py); None: on CUDA, off elsewhere; True without CUDA: an error; refused for a bundle
     verify_bundle: bool | None = None  # re-hash a bundle's files on load; None: unless RETRACE_VERIFY_BUNDLE=0
     #   (sizes are always checked)
+    row_invariant: bool | None = None  # an ONNX Runtime bundle's calls padded to widths whose rows the kernels
+    #   compute alike, so verify rows equal the decode step bit for bit (runtime/row_invariance.py); None: on
 
     def __post_init__(self) -> None:
         self.validate()
