@@ -177,7 +177,7 @@ main.add_command(eval_cmd)
 @click.option("--tree-fixed", default="", help="also run retrace-<backend>-<mode>-tree<b>-fixed: trees of exactly "
                                                "b tokens a round, for each b of this comma list (e.g. 4,8,16)")
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
-@runtime_flags("device", "dtype", "compile", "cuda_graphs")
+@runtime_flags("device", "dtype", "compile", "cuda_graphs", "row_invariant")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
 @click.option("--weights", "weights", default="fp32", show_default=True,
@@ -188,7 +188,7 @@ main.add_command(eval_cmd)
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
           no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy,
           tree_budget, tree_sources, prompt_lookup, tree_fixed, markdown_out, device, dtype, compile_steps,
-          no_cuda_graphs, from_json, weights) -> None:
+          no_cuda_graphs, no_row_invariance, from_json, weights) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -201,7 +201,8 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   from_json=from_json, command=command_line(click.get_current_context()),
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
                   tree_fixed=tree_fixed, prompt_lookup=prompt_lookup, weights=weights, device=device, dtype=dtype,
-                  compile_steps=compile_steps, cuda_graphs=False if no_cuda_graphs else None)
+                  compile_steps=compile_steps, cuda_graphs=False if no_cuda_graphs else None,
+                  row_invariant=not no_row_invariance)
 
 
 from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)

@@ -127,7 +127,7 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
                    "prompt_tokens": [len(p.ids) for p in prompts],
                    "truncated_prompts": sum(p.truncated > 0 for p in prompts),
                    "max_new_tokens": N, "batch_sizes": list(batch_sizes), "runs": cfg.runs, "threads": threads,
-                   "block_size": built.block_size,
+                   "block_size": built.block_size, "row_invariant": cfg.row_invariant,
                    "greedy": True, "eos": "ignored by every system (exactly max_new_tokens each)",
                    "expected_tokens_per_run": expected},
         "machine": machine,

@@ -66,7 +66,7 @@ def bench_command(*, target, drafter, engine, prompts, max_new_tokens, batch_siz
                   command, draft_ar=None, peer_env="measure", verify_policy: str = "adaptive", tree_budget: int = 0,
                   tree_sources: str = "topk,suffix,target", tree_fixed: str = "", prompt_lookup: bool = False,
                   weights: str = "fp32", device: str | None = None, dtype: str | None = None,
-                  compile_steps: bool = False, cuda_graphs: bool | None = None) -> dict:
+                  compile_steps: bool = False, cuda_graphs: bool | None = None, row_invariant: bool = True) -> dict:
     if from_json:
         return render_saved(from_json, plot_out, readme_table, markdown_out)
     if not target or not drafter:
@@ -90,5 +90,5 @@ def bench_command(*, target, drafter, engine, prompts, max_new_tokens, batch_siz
                       verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
                       tree_fixed=parse_batch_sizes(tree_fixed, "--tree-fixed") if tree_fixed else (),
                       prompt_lookup=prompt_lookup, weights=parse_weights(weights), device=device, dtype=dtype,
-                      compile_steps=compile_steps, cuda_graphs=cuda_graphs)
+                      compile_steps=compile_steps, cuda_graphs=cuda_graphs, row_invariant=row_invariant)
     return run_and_report(cfg, json_out, plot_out, readme_table, markdown_out=markdown_out)

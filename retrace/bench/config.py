@@ -51,6 +51,7 @@ class BenchConfig:
     dtype: str | None = None
     compile_steps: bool = False  # the torch backend's steps under torch.compile
     cuda_graphs: bool | None = None  # the torch backend's CUDA graphs (None: on CUDA; False: --no-cuda-graphs)
+    row_invariant: bool = True  # our bundles' calls row-invariant (False: --no-row-invariance; runtime/row_invariance)
     command: str = ""
     extra: dict = field(default_factory=dict)
 

@@ -180,12 +180,12 @@ def _ort_systems(built: Built, cfg: BenchConfig, weights: str, suffix: str, cach
             built.builds[key] = {"bundle": str(bundle), "built": False, "given": True}
         from retrace.runtime import Runtime
 
-        rt = _bundle_runtime(Runtime, bundle, max_batch, threads, max_seq_len)
+        rt = _bundle_runtime(Runtime, bundle, max_batch, threads, max_seq_len, cfg.row_invariant)
         _retrace_systems(built, rt, "onnxruntime", cfg, suffix)
     except (RetraceError, ImportError) as e:
         built.skip(ort_names, str(e).splitlines()[0])
 
 
-def _bundle_runtime(Runtime, bundle, max_batch: int, threads: int, max_seq_len: int):
+def _bundle_runtime(Runtime, bundle, max_batch: int, threads: int, max_seq_len: int, row_invariant: bool = True):
     return Runtime.from_bundle(bundle, backend="onnxruntime", max_batch=max_batch, threads=threads,
-                               max_seq_len=max_seq_len)
+                               max_seq_len=max_seq_len, row_invariant=None if row_invariant else False)
