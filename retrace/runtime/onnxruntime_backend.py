@@ -262,7 +262,9 @@ class OnnxRuntimeBackend:
                 feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
                 self._num_features = int(feats.shape[-1])
         self.threads = threads
-        self.widths = row_widths(bundle, self.inplace) if row_invariant else None
+        # measured on the CPU provider only (runtime/row_invariance.py); other providers' kernels: not padded
+        cpu = PROVIDER_DEVICE.get(_first_provider(self.providers)) == "cpu"
+        self.widths = row_widths(bundle, self.inplace) if row_invariant and cpu else None
 
         dtype = self.tgraph.dtype("past_key_0")
         tc = self.target_config.layers
@@ -324,8 +326,7 @@ class OnnxRuntimeBackend:
         import onnx
 
         model = onnx.load(str(path), load_external_data=False)
-        first = self.providers[0] if self.providers else "CPUExecutionProvider"
-        first = first[0] if isinstance(first, tuple) else first
+        first = _first_provider(self.providers)
         past = next((i for i in model.graph.input if i.name == "past_key_0"), None)
         dtype = ELEMENT_DTYPE.get(past.type.tensor_type.elem_type) if past is not None else None
         where = PROVIDER_DEVICE.get(first)
@@ -482,6 +483,11 @@ class OnnxRuntimeBackend:
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
+
+
+def _first_provider(providers: list) -> str:
+    first = providers[0] if providers else "CPUExecutionProvider"
+    return first[0] if isinstance(first, tuple) else first
 
 
 def row_widths(bundle: Bundle, inplace) -> RowWidths:

@@ -20,7 +20,8 @@ and the logits rows (logits_index), each by at most one entry. Rules: "any" (not
 "pairs" (M even). M counts rows over the whole batch (N rows x T tokens, or N x K logits rows). Pad tokens
 repeat the last token one position further (a tree's pad node sees the past and itself; nobody sees it);
 their K/V land one entry past the call, which the next call overwrites (caches keep `SPARE` entries
-beyond max_seq_len). Outputs are cut back to T / K.
+beyond max_seq_len). Outputs are cut back to T / K. The ONNX Runtime backend applies all this on the CPU
+execution provider only: other providers' kernels were not measured, and their calls are not padded.
 """
 
 from __future__ import annotations
