@@ -225,4 +225,3 @@ def call_both(ref, new, slots, ids, pos, li, tree=None):
     rel = ((a[0] - b[0]).abs().max() / a[0].abs().max()).item()
     assert rel < 1e-5 and torch.allclose(a[1], b[1], atol=1e-4), (slots, rel)
     assert torch.equal(a[0].argmax(-1), b[0].argmax(-1))
-

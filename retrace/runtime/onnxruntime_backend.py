@@ -63,6 +63,7 @@ from retrace.runtime.lm_head_split import (
 from retrace.runtime.ort_io_binding import (
     ELEMENT_DTYPE,
     PROVIDER_DEVICE,
+    first_provider,
     run_bound,
     session_device,
     torch_dtype,
@@ -263,7 +264,7 @@ class OnnxRuntimeBackend:
                 self._num_features = int(feats.shape[-1])
         self.threads = threads
         # measured on the CPU provider only (runtime/row_invariance.py); other providers' kernels: not padded
-        cpu = PROVIDER_DEVICE.get(_first_provider(self.providers)) == "cpu"
+        cpu = PROVIDER_DEVICE.get(first_provider(self.providers)) == "cpu"
         self.widths = row_widths(bundle, self.inplace) if row_invariant and cpu else None
 
         dtype = self.tgraph.dtype("past_key_0")
@@ -326,7 +327,7 @@ class OnnxRuntimeBackend:
         import onnx
 
         model = onnx.load(str(path), load_external_data=False)
-        first = _first_provider(self.providers)
+        first = first_provider(self.providers)
         past = next((i for i in model.graph.input if i.name == "past_key_0"), None)
         dtype = ELEMENT_DTYPE.get(past.type.tensor_type.elem_type) if past is not None else None
         where = PROVIDER_DEVICE.get(first)
@@ -483,11 +484,6 @@ class OnnxRuntimeBackend:
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
-
-
-def _first_provider(providers: list) -> str:
-    first = providers[0] if providers else "CPUExecutionProvider"
-    return first[0] if isinstance(first, tuple) else first
 
 
 def row_widths(bundle: Bundle, inplace) -> RowWidths:

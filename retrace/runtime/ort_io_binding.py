@@ -43,6 +43,12 @@ def torch_dtype(ort_type: str) -> torch.dtype:
                            f"(supported: {', '.join(ORT_TYPES)})") from None
 
 
+def first_provider(providers: list) -> str:
+    """The name of the first execution provider (an entry may be (name, options)); CPU when none is given."""
+    first = providers[0] if providers else "CPUExecutionProvider"
+    return first[0] if isinstance(first, tuple) else first
+
+
 def session_device(providers: list, device: str | torch.device | None = None) -> torch.device:
     """Where a session's bound buffers live: `device` when given, else the first provider's device. Buffers
     on the GPU are torch CUDA tensors: without a CUDA build of torch the default falls back to host memory
@@ -51,9 +57,7 @@ def session_device(providers: list, device: str | torch.device | None = None) ->
     if device is not None:
         dev = torch.device(device)
     else:
-        first = providers[0] if providers else "CPUExecutionProvider"
-        first = first[0] if isinstance(first, tuple) else first  # (name, options)
-        dev = torch.device(PROVIDER_DEVICE.get(first, "cpu"))
+        dev = torch.device(PROVIDER_DEVICE.get(first_provider(providers), "cpu"))
         if dev.type == "cuda" and not torch.cuda.is_available():
             dev = torch.device("cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():

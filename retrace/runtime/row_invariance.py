@@ -69,10 +69,6 @@ class RowWidths:
             logits_index = torch.cat([logits_index, logits_index[:, -1:]], 1)
         return input_ids, positions, logits_index, tree_mask
 
-    def width(self, n: int, t: int) -> int:
-        """The tokens per row a call of n rows x t tokens runs with."""
-        return t + _extra(self.tokens, n, t)
-
 
 def pad_tree_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
     """[N, T, T] -> [N, width, width]: each pad node attends to itself only (and the past), none to it."""
