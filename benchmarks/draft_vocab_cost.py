@@ -16,7 +16,8 @@ bundle's block size, --ctx new context tokens), medians of --reps interleaved re
     python benchmarks/draft_vocab_cost.py --heads-only --sizes 4096,8192,16384,32768
 
 times the LM head alone (an ONNX Runtime Gemm session over the rows of a random [151936, 1024] table, 15
-rows: a 16-slot block) for the full table and each subset size, plus the expansion to target ids.
+rows: a 16-slot block) for the full table and each subset size (the runtime keeps the subset's logits as
+they are: runtime/draft_space.py).
 
     python benchmarks/draft_vocab_cost.py --engine B --bundle-map --threads 1
 
@@ -60,7 +61,6 @@ def timed(fn, reps: int) -> list[float]:
 
 def heads_only(sizes: list[int], reps: int, threads: int, out: Path | None, V: int = 151936, d: int = 1024,
                rows: int = 15) -> None:
-    from retrace.models.draft_vocab import DraftVocab
     from retrace.runtime.lm_head_split import LmHead
     from retrace.runtime.onnxruntime_backend import _session_options
 
@@ -70,15 +70,12 @@ def heads_only(sizes: list[int], reps: int, threads: int, out: Path | None, V: i
     heads = {}
     for n in [V, *sizes]:
         ids = torch.sort(torch.randperm(V, generator=g)[:n]).values
-        heads[n] = (LmHead.of_rows(table[ids.numpy()], _session_options(threads, None), ["CPUExecutionProvider"]),
-                    DraftVocab(ids, V) if n < V else None)
+        heads[n] = LmHead.of_rows(table[ids.numpy()], _session_options(threads, None), ["CPUExecutionProvider"])
     times: dict[int, list[float]] = {n: [] for n in heads}
     for rep in range(reps + 2):  # interleaved; the first two are warm-up
-        for n, (head, vocab) in heads.items():
+        for n, head in heads.items():
             t0 = time.perf_counter()
-            logits = head(h, (1, rows))
-            if vocab is not None:
-                logits = vocab.expand(logits)
+            head(h, (1, rows))
             if rep >= 2:
                 times[n].append((time.perf_counter() - t0) * 1e3)
     res = {n: {"median_ms": statistics.median(t), "min_ms": min(t)} for n, t in times.items()}
@@ -140,17 +137,17 @@ def main() -> None:
     heads = {}
     for name, v in configs.items():  # one head session per config, built once, swapped between calls
         be.use_draft_vocab(v)
-        heads[name] = (be.draft_vocab, be.draft_head)
+        heads[name] = (be.draft_vocab, be.draft_head, be.draft_ids)
     times: dict[str, list[float]] = {"decode": [], **{n: [] for n in configs}}
     for _ in range(3):  # warm-up
         be.target(*decode)
         for n in configs:
-            be.draft_vocab, be.draft_head = heads[n]
+            be.draft_vocab, be.draft_head, be.draft_ids = heads[n]
             be.draft(*draft)
     for _ in range(a.reps):  # interleaved
         times["decode"] += timed(lambda: be.target(*decode), 1)
         for n in configs:
-            be.draft_vocab, be.draft_head = heads[n]
+            be.draft_vocab, be.draft_head, be.draft_ids = heads[n]
             times[n] += timed(lambda: be.draft(*draft), 1)
     dec = statistics.median(times["decode"])
     out = {"decode_ms": dec, "block": B, "context": P, "ctx": C, "threads": a.threads, "rows": {}}

@@ -61,8 +61,8 @@ class DraftSpy:
         self.drafts: set[int] = set()
         orig = chain_module.propose_tokens
 
-        def spy(draft_logits, reqs):
-            drafts, q = orig(draft_logits, reqs)
+        def spy(*args):
+            drafts, q = orig(*args)
             self.drafts |= set(drafts.reshape(-1).tolist())
             return drafts, q
 
@@ -251,9 +251,11 @@ def test_bundle_records_the_map_and_ort_head_matches_torch(world):
     _, a = full.draft(slots, ctx, pos, block, bpos, None)
     _, s = be.draft(slots, ctx, pos, block, bpos, None)
     ids = be.draft_vocab.ids
-    torch.testing.assert_close(s[..., ids], a[..., ids].float(), rtol=1e-4, atol=1e-4)
-    assert torch.isneginf(s).sum() == s[..., 0].numel() * (VOCAB - ids.numel())
+    assert be.draft_ids.tolist() == ids.tolist() and full.draft_ids is None
+    assert s.shape[-1] == ids.numel() and a.shape[-1] == VOCAB  # over the subset only: draft_ids names them
+    torch.testing.assert_close(s, a[..., ids].float(), rtol=1e-4, atol=1e-4)
     be.use_draft_vocab(None)  # the full head again, on the same loaded bundle
+    assert be.draft_ids is None
     _, f = be.draft(slots, ctx, pos, block, bpos, None)
     torch.testing.assert_close(f.float(), a.float(), rtol=1e-4, atol=1e-4)
     with pytest.raises(RetraceError, match="needs a backend opened on a bundle with a draft vocabulary"):
@@ -358,3 +360,54 @@ def test_sampling_with_a_draft_vocab_is_the_targets_distribution(monkeypatch, tm
     for name, (p_value, df, power) in ts.check(outs, joint).items():
         assert power > 0.9 and p_value > ts.ALPHA, f"{name}: chi-square p={p_value:.2e} (df {df})"
     assert stats["tau"] > 1.1, stats["tau"]
+
+
+# -- the draft space: the round over the subset (runtime/draft_space.py) ---------------------------------------
+def test_draft_space_maps_ids_and_refuses_logits_over_another_space():
+    from retrace.runtime.draft_space import DraftSpace
+
+    space = DraftSpace(torch.tensor([1, 4, 6]), 8)
+    assert space.size == 3 and not space.full and DraftSpace(None, 8).size == 8
+    assert space.tokens(torch.tensor([[2, 0]])).tolist() == [[6, 1]]
+    assert space.index_of(torch.tensor([6, 5, 1])).tolist() == [2, -1, 0]
+    q = torch.tensor([[0.5, 0.25, 0.25]])
+    assert space.probs_full(q).tolist() == [[0, 0.5, 0, 0, 0.25, 0, 0.25, 0]]
+    assert torch.isneginf(space.logits_full(q)[0, [0, 2, 3, 5, 7]]).all()
+    with pytest.raises(RetraceError, match="logits over 8 ids, its draft space has 3"):
+        space.check(torch.zeros(1, 2, 8), object())
+
+
+def test_suffix_features_over_the_subset_are_the_expanded_logits_features():
+    """kept_features with the draft logits over the subset equals the same call on the logits expanded to the
+    target's vocabulary (-inf outside): the drafter's probability of d_j, and 0 for a d_j outside the subset
+    (a tree path's token from another source)."""
+    from retrace.runtime.draft_space import DraftSpace
+    from retrace.runtime.suffix_memory import align, kept_features
+
+    g = torch.Generator().manual_seed(0)
+    N, B, V = 2, 6, 40
+    space = DraftSpace(torch.tensor([0, 3, 5, 9, 17, 22, 31, 39]), V)
+    sub = torch.randn(N, B - 1, space.size, generator=g)
+    block = torch.cat([torch.randint(0, V, (N, 1), generator=g), space.tokens(sub.argmax(-1))], 1)
+    block[1, 3] = 7  # not in the subset
+    verify = torch.randn(N, B, V, generator=g)
+    old, _, corr = align(torch.tensor([0, 1]), B, torch.full((N,), B - 1))
+    args = (verify, verify.argmax(-1), old, corr, range(0, B - 1))
+    want = kept_features(block, verify, space.logits_full(sub), *args[1:])
+    got = kept_features(block, verify, sub, *args[1:], space)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert got[..., 2].gt(0).any() and (got[1, :, 2][old[1] == 3] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_backends_draft_over_the_subset(world, backend):
+    """With a draft vocabulary the draft call's logits are over the subset (draft_ids names their target ids);
+    the dense-past torch backend (the model's own forward, what rollouts run) keeps them at target ids."""
+    from retrace.runtime.torch_concat import ConcatTorchBackend
+
+    rt = (Runtime.from_dirs(world["target"], world["restricted"], max_batch=2, max_seq_len=160) if backend == "torch"
+          else Runtime.from_bundle(world["bundle"], threads=1, max_batch=2))
+    assert rt.backend.draft_ids.tolist() == world["vocab"].ids.tolist()
+    if backend == "torch":
+        target, drafter = load_pair(world["target"], world["restricted"])
+        assert ConcatTorchBackend(target, drafter, max_batch=2, max_seq_len=160).draft_ids is None

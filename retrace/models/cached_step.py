@@ -162,7 +162,8 @@ def lm_head_rows(target, h: torch.Tensor) -> torch.Tensor:
 def draft_step(drafter, rope: RopeTable, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor,
                k_window: list[torch.Tensor], v_window: list[torch.Tensor], block_ids: torch.Tensor,
                block_positions: torch.Tensor, offset: int, suffix=None):
-    """-> (hidden [N, B, d] after the final norm, logits [N, B-1, V] float32 for slots 1..B-1); the context
+    """-> (hidden [N, B, d] after the final norm, logits [N, B-1, Vd] for slots 1..B-1, over the drafter's draft
+    vocabulary when it has one (Vd = V without; runtime/draft_space.py); the context
     K/V are in the windows at columns offset + ctx_positions (offset >= B; see the module docstring)."""
     N, B = block_ids.shape
     kv = ViewWindows(k_window, v_window, torch.arange(B, device=block_ids.device).expand(N, B),
@@ -200,4 +201,4 @@ def _draft_layers(drafter, rope, ctx_taps, ctx_positions, kv, width: int, block_
         kc, vc = layer.self_attn.key_value(ctx, cos_c, sin_c)
         x = _layer(layer, i, x, cos_b, sin_b, kv, mask, ctx=(kc, vc))
     h = drafter.norm(x)
-    return h, drafter.logits(h[:, 1:])
+    return h, drafter.logits(h[:, 1:], expand=False)

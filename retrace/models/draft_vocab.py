@@ -27,6 +27,15 @@ TENSORS = "draft_vocab.safetensors"
 META = "draft_vocab.json"
 
 
+def expand_rows(sub: torch.Tensor, ids: torch.Tensor, vocab_size: int, fill: float) -> torch.Tensor:
+    """sub [..., Vd] at target ids `ids` [Vd] -> [..., vocab_size] of sub's dtype, `fill` elsewhere."""
+    lead, rows = sub.shape[:-1], sub.reshape(-1, sub.shape[-1])
+    out = torch.full((rows.shape[0], vocab_size), fill, dtype=sub.dtype, device=sub.device)
+    # scatter_ over an expanded index: 2-3x faster on CPU than index_copy_ or advanced indexing
+    out.scatter_(1, ids.to(sub.device).expand(rows.shape[0], -1), rows)
+    return out.view(*lead, vocab_size)
+
+
 @dataclass(frozen=True)
 class DraftVocab:
     ids: torch.Tensor  # int64 [Vd] sorted, unique target ids
@@ -53,13 +62,7 @@ class DraftVocab:
 
     def expand(self, sub_logits: torch.Tensor) -> torch.Tensor:
         """Subset logits [..., Vd] -> target-vocab logits [..., V] float32: -inf outside the subset."""
-        lead = sub_logits.shape[:-1]
-        rows = sub_logits.reshape(-1, self.size).float()
-        out = torch.full((rows.shape[0], self.target_vocab_size), float("-inf"), dtype=torch.float32,
-                         device=rows.device)
-        # scatter_ over an expanded index: 2-3x faster on CPU than index_copy_ or advanced indexing
-        out.scatter_(1, self.ids.to(rows.device).expand(rows.shape[0], -1), rows)
-        return out.view(*lead, self.target_vocab_size)
+        return expand_rows(sub_logits.float(), self.ids, self.target_vocab_size, float("-inf"))
 
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:
         """Full-head logits [..., V] -> the same with -inf outside the subset (for a graph whose head cannot be

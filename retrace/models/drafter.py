@@ -151,16 +151,18 @@ class DFlashDrafter(nn.Module):
         h = self.norm(x)
         return h, self.logits(h[:, 1:]), new_k, new_v
 
-    def logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+    def logits(self, h_normed: torch.Tensor, expand: bool = True) -> torch.Tensor:
         """The draft logits [..., V] float32 at target ids: the target's head, or its draft-vocabulary rows
-        with -inf outside the subset."""
+        with -inf outside the subset; expand=False: a draft vocabulary's logits [..., Vd] as they are (the
+        runtime's draft space, runtime/draft_space.py)."""
         if self.draft_vocab is None:
             return self.target.logits(h_normed)
         table = self.target.lm_head.weight
         w = self._subset_weight
         if w is None or w.dtype != table.dtype or w.device != table.device:
             w = self._subset_weight = table.index_select(0, self.draft_vocab.ids.to(table.device))
-        return self.draft_vocab.expand(torch.nn.functional.linear(h_normed, w))
+        sub = torch.nn.functional.linear(h_normed, w)
+        return self.draft_vocab.expand(sub) if expand else sub
 
     def empty_past(self, n: int, length: int = 0, dtype: torch.dtype | None = None):
         c = self.config.layers

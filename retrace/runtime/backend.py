@@ -45,7 +45,9 @@ class Backend(Protocol):
     def draft(self, slots: torch.Tensor, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor,
               block_ids: torch.Tensor, block_positions: torch.Tensor,
               suffix: SuffixInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (hidden [N,B,d], logits [N,B-1,V] f32); writes the context K/V at `ctx_positions`."""
+        """-> (hidden [N,B,d], logits [N,B-1,Vd] f32); writes the context K/V at `ctx_positions`. Vd = V, or
+        with a draft vocabulary its size, the backend's optional `draft_ids` [Vd] naming the target ids the
+        logits are for (runtime/draft_space.py; absent or None: the whole vocabulary)."""
         ...
 
     def release(self, slot: int) -> None:

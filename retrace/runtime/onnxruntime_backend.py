@@ -26,7 +26,8 @@ MatMulNBits head stays in each graph: one session run per call, see `head_sessio
 
 Draft vocabulary (a bundle whose manifest has models.drafter.draft_vocab; retrace.models.draft_vocab): the
 drafter graph's head is cut off and its rows are scored in a session of their own over the subset's rows of
-the target's (mapped) table, sliced at load time; the logits come back at target ids (-inf outside).
+the target's (mapped) table, sliced at load time; the draft call's logits are over the subset only and
+`draft_ids` says which target ids they are (runtime/draft_space.py: the round works in that space).
 `draft_vocab=False` keeps the full head.
 
 Execution providers: CPU by default; CUDA first when onnxruntime-gpu finds a GPU (`providers` picks
@@ -251,6 +252,8 @@ class OnnxRuntimeBackend:
         self.draft_vocab = bundle_draft_vocab(bundle, self.target_config.vocab_size) if (
             draft_vocab and self.drafter_config is not None) else None
         self.draft_head = self._draft_table = None
+        # [Vd] the target ids the draft logits are over (runtime/draft_space.py); None: the whole vocabulary
+        self.draft_ids = None if self.draft_vocab is None else self.draft_vocab.ids.to(self.device)
         if self.draft_vocab is not None:
             d_head = self._draft_vocab_head(d_path, threads, session_options) or d_head
         self.dgraph = None
@@ -312,6 +315,7 @@ class OnnxRuntimeBackend:
                                       f"vocab's {V}")
                 head = LmHead.of_rows(table if vocab is None else table[rows], options, self.providers, self.device)
         self.draft_vocab, self.draft_head = vocab, head
+        self.draft_ids = None if vocab is None else vocab.ids.to(self.device)
 
     def _draft_array(self, name: str) -> np.ndarray:
         """A drafter initializer's values: the target's mapping when it is shared (no second copy read),
@@ -468,11 +472,10 @@ class OnnxRuntimeBackend:
         g.run(feeds, out)
         self.dcache.write(slots, ctx_positions, new)
         hidden = out["hidden"].cpu()
-        if self.draft_head is not None:
+        if self.draft_head is not None:  # over the draft vocabulary when there is one (draft_ids)
             logits = self.draft_head(out[g.rows], (N, B - 1))
-            logits = logits if self.draft_vocab is None else self.draft_vocab.expand(logits)
         elif self.draft_vocab is not None:  # a drafter graph whose head could not be cut off
-            logits = self.draft_vocab.restrict(out["logits"])
+            logits = out["logits"].index_select(-1, self.draft_ids)
         else:
             logits = self.head(out[g.rows], (N, B - 1)) if g.rows else out["logits"]
         return (hidden if hidden.dtype == torch.float32 else hidden.float()), logits.cpu()

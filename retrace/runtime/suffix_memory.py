@@ -37,6 +37,7 @@ from retrace.models.conditioner import FEATURES
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.device import host_values
+from retrace.runtime.draft_space import DraftSpace
 
 
 def align(accepted: torch.Tensor, block_size: int,
@@ -82,22 +83,27 @@ def suffix_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor,
 
 
 def kept_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor, draft_logits: torch.Tensor,
-                  target_argmax: torch.Tensor, old: torch.Tensor, corr: torch.Tensor, rows: range) -> torch.Tensor:
+                  target_argmax: torch.Tensor, old: torch.Tensor, corr: torch.Tensor, rows: range,
+                  space: DraftSpace | None = None) -> torch.Tensor:
     """`suffix_features` gathered at the memory's new slots, [N, B, 3] (the same bits at the valid slots;
     the others hold whatever their clamped index reads, the caller zeroes them): old / corr [N, B] the old
     slot j and j - 1 per new slot (`align`); rows: the verify / draft-logit rows t = j - 1 the valid slots
     use. The two temperature-1 softmaxes run over those rows only (row by row as in `suffix_features`) where
     that is a view of one piece of memory (one batch row); over all rows otherwise (a copy of the rows would
-    cost more than the rows it saves)."""
-    N, V = block_tokens.shape[0], verify_logits.shape[-1]
+    cost more than the rows it saves). draft_logits over a draft vocabulary (`space`, runtime/draft_space.py):
+    the drafter's probability of d_j over the subset, 0 for a token outside it (what the -inf of the
+    expanded logits gave)."""
+    N = block_tokens.shape[0]
     tok = block_tokens.gather(1, old)  # d_j at each new slot
     start = rows.start if N == 1 else 0
     at = corr if start == 0 else (corr - start).clamp_min(0)
-    flat = at * V + tok
     feats = [(target_argmax.gather(1, corr) == tok).float()]
-    for logits in (verify_logits, draft_logits):
+    dtok = tok if space is None or space.full else space.index_of(tok)
+    for logits, t in ((verify_logits, tok), (draft_logits, dtok)):
         probs = (logits[:, start: rows.stop] if N == 1 else logits).float().softmax(-1)
-        feats.append(probs.view(N, -1).gather(1, flat))
+        feats.append(probs.view(N, -1).gather(1, at * logits.shape[-1] + t.clamp_min(0)))
+    if dtok is not tok:
+        feats[-1] = torch.where(dtok >= 0, feats[-1], 0.0)
     return torch.stack(feats, -1)
 
 
@@ -152,7 +158,7 @@ class SuffixMemory:
             self.write_trajectory(o.batch.slots, o.block[:, 1:], o.target_argmax, o.path_len, o.accepted)
         if o.batch.mode == "retrace":
             self.write(o.batch.slots, p.hidden, o.block, o.path_logits(), p.draft_logits, o.accepted,
-                       o.batch.anchor_pos, o.target_argmax, o.path_len, o.host_accepted)
+                       o.batch.anchor_pos, o.target_argmax, o.path_len, o.host_accepted, p.space)
 
     def forget(self, slots: torch.Tensor) -> None:
         """Clear the rows of `slots` that hold anything (known on the host: no read)."""
@@ -162,14 +168,16 @@ class SuffixMemory:
     def write(self, slots: torch.Tensor, hidden: torch.Tensor | None, block_tokens: torch.Tensor,
               verify_logits: torch.Tensor, draft_logits: torch.Tensor | None, accepted: torch.Tensor,
               anchor_pos: torch.Tensor, target_argmax: torch.Tensor | None = None,
-              verified: torch.Tensor | None = None, host_accepted: list[int] | None = None) -> None:
+              verified: torch.Tensor | None = None, host_accepted: list[int] | None = None,
+              space: DraftSpace | None = None) -> None:
         """After a verify. hidden [N,B,d] drafter states (None: no draft call this round, the memory is
         emptied); block_tokens [N,1+S] = [anchor, d_1..d_S]; draft_logits [N,S,V] (slots 1..S);
         verify_logits [N,K+1,V] (K+1 <= B) at slots 0..K; accepted [N]; anchor_pos [N] = p;
         target_argmax [N,K+1] optional (verify_logits.argmax(-1), if the caller has it); verified [N]: the
         drafts each row sent to the target (default: all K). Only scored drafts are remembered.
         host_accepted: `accepted` on the host (the round's read), with `verified`'s host copy: the features'
-        softmaxes then run over the rows some row keeps only (the same values: each row's softmax is its own)."""
+        softmaxes then run over the rows some row keeps only (the same values: each row's softmax is its own).
+        space: the index space of draft_logits (runtime/draft_space.py; None: the target's vocabulary)."""
         if hidden is None:
             self.forget(slots)
             return
@@ -191,7 +199,7 @@ class SuffixMemory:
         if scored is None:  # no row keeps a slot
             self.features[rows] = 0
         else:
-            feats = kept_features(block_tokens, verify_logits, draft_logits, target_argmax, old, corr, scored)
+            feats = kept_features(block_tokens, verify_logits, draft_logits, target_argmax, old, corr, scored, space)
             self.features[rows] = torch.where(on.unsqueeze(-1), feats, 0)
         self.valid[rows] = valid
         self.corr_index[rows] = corr

@@ -86,6 +86,7 @@ def window_width(need: int, length: int) -> int:
 class TorchBackend:
     name = "torch"
     padded_steps = True  # the slot-index steps exist (runtime/step_buckets.py); a subclass without them: False
+    subset_draft_logits = True  # a draft vocabulary's logits over the subset only (draft_ids says which ids)
 
     def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int = 8,
                  max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str | None = None,
@@ -104,6 +105,9 @@ class TorchBackend:
         self.target_config = target.config
         self.drafter_config = drafter.config if drafter is not None else None
         self.has_conditioner = drafter is not None and drafter.conditioner is not None
+        vocab = drafter.draft_vocab if drafter is not None and self.subset_draft_logits else None
+        # [Vd] the target ids of the draft logits (runtime/draft_space.py); None: the whole vocabulary
+        self.draft_ids = None if vocab is None else vocab.ids.to(self.device)
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.dtype = target.lm_head.weight.dtype

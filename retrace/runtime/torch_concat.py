@@ -26,6 +26,7 @@ def _longest_past(positions: torch.Tensor) -> int:
 
 class ConcatTorchBackend(TorchBackend):
     padded_steps = False  # the dense past: no static shapes, so no CUDA graphs on any device
+    subset_draft_logits = False  # the model's forward: draft logits at target ids (-inf outside a draft vocab)
 
     def _steps(self, target: Qwen3Target, drafter: DFlashDrafter | None):
         return target, drafter, 0

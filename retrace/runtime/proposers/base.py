@@ -5,7 +5,7 @@ The round asks one proposer per round for a proposal (which one: runtime/propose
 policy's plan); the proposal's `kind` picks its verify-and-accept step (runtime/verify_accept.py): "chain"
 verifies [anchor, d_1 .. d_K] per row, "tree" a draft tree under its ancestor mask. Shapes: N rows, S draft
 slots the drafter filled (block_size - 1 for a tree), D proposed tokens per row, V the vocabulary, d the
-drafter's hidden size, B the block size.
+drafter's hidden size, B the block size, Vd the draft space's size (runtime/draft_space.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from retrace.runtime.device import index_tensor
+from retrace.runtime.draft_space import DraftSpace
 from retrace.runtime.draft_tree import DraftTree
 
 
@@ -57,7 +58,8 @@ class Proposal:
     slots: int = 0  # S: draft slots the drafter filled this round (0: no drafter call)
     q: list[torch.Tensor | None] | None = None  # [N] of [S, V] the drafter's processed distribution (sampling rows)
     hidden: torch.Tensor | None = None  # [N, B, d] the drafter's final hidden states (None: no drafter call)
-    draft_logits: torch.Tensor | None = None  # [N, S, V] the drafter's raw logits at slots 1..S
+    draft_logits: torch.Tensor | None = None  # [N, S, Vd] the drafter's raw logits at slots 1..S, over `space`
+    space: DraftSpace | None = None  # the index space of draft_logits' last dim (None: the target's vocab)
     tree: DraftTree | None = None  # the tree to verify (kind "tree"), M nodes per row
     marks: tuple = ()  # stopwatch marks: (draft start, draft end[, tree built]); () without a drafter call
 

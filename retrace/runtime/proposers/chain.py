@@ -7,17 +7,27 @@ from __future__ import annotations
 import torch
 
 from retrace.runtime.device import index_tensor
+from retrace.runtime.draft_space import DraftSpace
 from retrace.runtime.proposers.base import Proposal, RoundBatch, ranges
 from retrace.runtime.proposers.context import context
 from retrace.runtime.sampling import argmax, row_probs, sample_drafts
 
 
 class DrafterCall:
-    """One drafter call for a round's rows -> (hidden [N, B, d], draft_logits [N, S, V], drafts [N, S], q)."""
+    """One drafter call for a round's rows -> (hidden [N, B, d], draft_logits [N, S, Vd] over the backend's
+    draft space (runtime/draft_space.py), drafts [N, S] target ids, q)."""
 
     def __init__(self, backend, memory, block_size: int, mask_id: int):
         self.backend, self.memory = backend, memory
         self.block_size, self.mask_id = block_size, mask_id
+        self._space = DraftSpace.of(backend)
+
+    @property
+    def space(self) -> DraftSpace:
+        """The backend's draft space (again if its draft vocabulary was swapped since)."""
+        if getattr(self.backend, "draft_ids", None) is not self._space.ids:
+            self._space = DraftSpace.of(self.backend)
+        return self._space
 
     def __call__(self, batch: RoundBatch, slots: int):
         N, B, dev = batch.rows, self.block_size, batch.device
@@ -26,20 +36,26 @@ class DrafterCall:
         suffix = self.memory.read(batch.slots) if batch.mode == "retrace" else None
         hidden, draft_logits = self.backend.draft(batch.slots, ctx_taps, ctx_pos, block_ids,
                                                   index_tensor(ranges(batch.anchor_host, B), dev), suffix)
+        space = self.space
+        space.check(draft_logits, self.backend)
         draft_logits = draft_logits[:, :slots]
-        drafts, q = propose_tokens(draft_logits, batch.reqs)
+        drafts, q = propose_tokens(draft_logits, batch.reqs, space)
         return hidden, draft_logits, drafts, q
 
 
-def propose_tokens(draft_logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def propose_tokens(draft_logits: torch.Tensor, reqs: list, space: DraftSpace | None = None
+                   ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Greedy rows take the drafter's argmax; sampling rows sample from its processed distribution q
-    (q[i] is None for greedy rows) -> (drafts [N, S], q)."""
-    drafts = argmax(draft_logits)
+    (q[i] is None for greedy rows) -> (drafts [N, S] target ids, q [S, V] over the target's vocabulary).
+    draft_logits [N, S, Vd] over `space` (None: the target's vocabulary)."""
+    index = argmax(draft_logits)
     q = row_probs(draft_logits, reqs)
     for i, r in enumerate(reqs):
         if q[i] is not None:
-            drafts[i] = sample_drafts(q[i], r.generator)
-    return drafts, q
+            index[i] = sample_drafts(q[i], r.generator)
+    if space is None or space.full:
+        return index, q
+    return space.tokens(index), [qi if qi is None else space.probs_full(qi) for qi in q]
 
 
 class DrafterChain:
@@ -52,7 +68,7 @@ class DrafterChain:
         start = self.clock.mark()
         hidden, draft_logits, drafts, q = self.drafter(batch, slots)
         verified = self.policy.choose(batch.mode, draft_logits, drafts, q)
-        return Proposal("chain", self, drafts, verified, slots, q, hidden, draft_logits,
+        return Proposal("chain", self, drafts, verified, slots, q, hidden, draft_logits, self.drafter.space,
                         marks=(start, self.clock.mark()))
 
     def observe(self, outcome) -> None:

@@ -31,10 +31,12 @@ class DrafterTree:
         sampling = [qi is not None for qi in q]
         sampled = (torch.where(torch.tensor(sampling, device=batch.device).unsqueeze(1), top1, -1)
                    if any(sampling) else None)
-        tree = build_trees(draft_logits.float().softmax(-1), [r.anchor for r in batch.reqs], self.budget, self.sources,
+        space = self.drafter.space  # the tree's sources and nodes are target ids: its distribution is over V
+        probs = space.logits_full(draft_logits).float().softmax(-1)
+        tree = build_trees(probs, [r.anchor for r in batch.reqs], self.budget, self.sources,
                            self.memory.trajectory(batch.slots), self.rates, sampled=sampled)
         tree = tree.truncate(self.policy.choose_tree(batch.mode, tree))
-        return Proposal("tree", self, top1, None, S, q, hidden, draft_logits, tree,
+        return Proposal("tree", self, top1, None, S, q, hidden, draft_logits, space, tree,
                         marks=(start, drafted, self.clock.mark()))
 
     def observe(self, outcome) -> None:
