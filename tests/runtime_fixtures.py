@@ -203,7 +203,7 @@ class LinearCost:
     def verify(self, rows: int, tokens: int) -> float:
         return rows * (1 + self.slope * (tokens - 1))
 
-    def draft(self, rows: int) -> float:
+    def draft(self, rows: int, slots: int = 0) -> float:  # the same at every draft width
         return rows * self.draft_cost
 
     def to_dict(self) -> dict:

@@ -277,7 +277,7 @@ def test_the_cost_model_sees_the_stopwatchs_times(pair):
     sched.clock = Ticks()
     rt.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True), "dflash")
     cost = sched.policy.cost
-    seen = [s for table in cost.verify_s.values() for s in table.values()] + list(cost.draft_s.values())
+    seen = [s for tables in (cost.verify_s, cost.draft_s) for table in tables.values() for s in table.values()]
     assert seen and all(s == pytest.approx(1e-3) for s in seen), cost.to_dict()
     rounds = sched.stats["dflash"].rounds // 2  # both rows run every round (same length)
     assert rt.run_stats()["time"]["verify_s"] == pytest.approx(1e-3 * rounds)

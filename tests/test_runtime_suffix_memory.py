@@ -143,12 +143,14 @@ class SuffixSpy(OracleDrafter):
                 assert suffix.valid[n].sum() == 0
                 continue
             p_old, h_old = self.last[s]
+            W = h_old.shape[0]  # the last round's block width (the verify policy's draft width)
             a = p_new - p_old - 1
-            assert 0 <= a <= K <= B - 1
+            assert 0 <= a <= K <= W - 1
             self.checked["accepted"].add(a)
             self.checked["verified"].add(K)
+            self.checked.setdefault("widths", set()).update({W, B})
             for k in range(B):
-                if 1 <= k and k + a + 1 <= min(K + 1, B - 1):
+                if 1 <= k and k + a + 1 <= min(K + 1, W - 1):
                     assert suffix.valid[n, k] == 1
                     torch.testing.assert_close(suffix.memory[n, k], h_old[k + a + 1], rtol=0, atol=0)
                     assert int(ctx_positions[n, int(suffix.corr_index[n, k])]) == p_new + k - 1
@@ -201,7 +203,8 @@ def test_scheduler_feeds_aligned_memory(pair, policy):
                     a = r.anchor_pos - anchor_before[r.rid] - 1
                     K = spy.verified[r.slot]
                     assert int(sched.memory.position[r.slot]) == (r.anchor_pos if K is not None else -1)
-                    assert int(sched.memory.count[r.slot]) == (0 if K is None else max(0, min(K + 1, B - 1) - a - 1))
+                    W = spy.last[r.slot][1].shape[0] if r.slot in spy.last else B  # its block width
+                    assert int(sched.memory.count[r.slot]) == (0 if K is None else max(0, min(K + 1, W - 1) - a - 1))
                 anchor_before[r.rid] = r.anchor_pos
         # released slots are empty
         assert sched.memory.valid.sum() == 0 and sched.memory.count.sum() == 0
@@ -212,8 +215,9 @@ def test_scheduler_feeds_aligned_memory(pair, policy):
     if policy == "fixed":
         assert spy.checked["accepted"] == set(range(B))  # including a = B-2 and all-accepted
         assert spy.checked["verified"] == {B - 1}
-    else:  # drafted-but-unverified slots occurred and were left out of the memory
+    else:  # drafted-but-unverified slots occurred and were left out of the memory; narrower blocks too
         assert len(spy.checked["verified"] - {B - 1}) >= 2, spy.checked
+        assert len(spy.checked["widths"]) >= 2, spy.checked  # the draft width's exploration (draft_width.py)
 
 
 @pytest.mark.parametrize("B", [4, 8])

@@ -122,7 +122,7 @@ def test_drafting_turns_off_backs_off_and_comes_back():
     for _ in range(30):
         K = policy.choose("dflash", good, good.argmax(-1), [None])
         policy.observe("dflash", 1, int(K.max()) + 1, 1.0, 0.5, K, K.clone())
-        assert policy.plan("dflash", 1) == 3
+        assert policy.plan("dflash", 1) > 0  # drafting stays on (the width: the whole block, or exploring)
     assert int(K[0]) == 3
 
 
@@ -131,3 +131,36 @@ def test_fixed_policy_is_the_whole_block():
     assert p.plan("retrace", 5) == 15
     assert p.choose("retrace", torch.zeros(5, 15, 3), torch.zeros(5, 15, dtype=torch.int64),
                     [None] * 5).tolist() == [15] * 5
+
+
+def test_draft_width_is_the_cheapest_rate_and_explores():
+    """runtime/draft_width.py: with draft calls as dear as the block is wide and drafts past the first rarely
+    accepted, the narrow block wins; with the draft's cost flat in the width, the whole block; a narrower
+    block's own counts are what judge it (a drafter worse in a narrow block is moved off it); every 16th
+    choice drafts a neighbour of the best width."""
+    from retrace.runtime.cost_model import CostModel
+    from retrace.runtime.draft_width import DraftWidth
+
+    def counts(width: DraftWidth, slots: int, accepted: list[int], rounds: int = 40) -> None:
+        for _ in range(rounds):
+            width.observe("retrace", slots, torch.full((len(accepted),), slots), torch.tensor(accepted))
+        width.absorb("retrace", width.pending("retrace").tolist())
+
+    cost = CostModel()
+    for t in (1, 2, 4, 8, 16):
+        cost.observe_verify(1, t, 1.0 + 0.1 * (t - 1))
+    cost.observe_draft(1, 0.6, 15)  # widths 7 and 3 scaled from it: 0.4 and 0.3
+    w = DraftWidth(16)
+    assert w.candidates == [15, 7, 3] and w.choose("retrace", 1, cost) == 15  # nothing drafted yet
+    counts(w, 15, [1, 0, 0, 2])  # a draft or two at most
+    assert [w.choose("retrace", 1, cost) for _ in range(15)] == [3] * 15 and w.choose("retrace", 1, cost) == 7
+    counts(w, 3, [0, 0, 0, 0])  # but the narrow block's own drafts are never accepted
+    assert w.choose("retrace", 1, cost) != 3
+    flat = CostModel()
+    for t in (1, 2, 4, 8, 16):
+        flat.observe_verify(1, t, 1.0 + 0.1 * (t - 1))
+    for S in (15, 7, 3):
+        flat.observe_draft(1, 0.6, S)
+    w2 = DraftWidth(16)
+    counts(w2, 15, [1, 0, 0, 2])
+    assert [w2.choose("retrace", 1, flat) for _ in range(16)] == [15] * 15 + [7]

@@ -20,6 +20,10 @@ import torch
 from retrace.runtime.device import device_of, index_tensor
 from retrace.runtime.stopwatch import stopwatch_for
 
+# A draft call's cost per block width w (slots + 1) goes as DRAFT_WIDTH_BASE + w, for widths not timed yet:
+# measured at the Qwen3-0.6B shape, int4, batch 1, 2 threads, blocks 4 / 8 / 16: 3.8-4.1 / 5.0 / 7.7-8.0 ms
+DRAFT_WIDTH_BASE = 8
+
 
 class CostModel:
     def __init__(self, rel_slope: float = 0.06, draft_rel: float = 0.5, alpha: float = 0.2,
@@ -32,7 +36,7 @@ class CostModel:
         self.alpha = alpha
         self.base_s = base_s  # prior: seconds of a one-row one-token verify, until one is measured
         self.verify_s: dict[int, dict[int, float]] = {}  # rows -> tokens -> EMA seconds
-        self.draft_s: dict[int, float] = {}  # rows -> EMA seconds
+        self.draft_s: dict[int, dict[int, float]] = {}  # rows -> draft slots S (0: not said) -> EMA seconds
 
     # -- measurements ----------------------------------------------------------------------------------
     def observe_verify(self, rows: int, tokens: int, seconds: float) -> None:
@@ -40,9 +44,11 @@ class CostModel:
         old = table.get(tokens)
         table[tokens] = seconds if old is None else old + self.alpha * (seconds - old)
 
-    def observe_draft(self, rows: int, seconds: float) -> None:
-        old = self.draft_s.get(rows)
-        self.draft_s[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+    def observe_draft(self, rows: int, seconds: float, slots: int = 0) -> None:
+        """A draft call of `slots` draft slots (the block [anchor, MASK x slots]; 0: a width not said)."""
+        table = self.draft_s.setdefault(rows, {})
+        old = table.get(slots)
+        table[slots] = seconds if old is None else old + self.alpha * (seconds - old)
 
     # -- predictions -----------------------------------------------------------------------------------
     def _table(self, rows: int) -> dict[int, float] | None:
@@ -73,18 +79,29 @@ class CostModel:
         edge = ts[0] if i == 0 else ts[-1]
         return max(table[edge] + slope * (tokens - edge), 1e-9)
 
-    def draft(self, rows: int) -> float:
-        if rows in self.draft_s:
-            return self.draft_s[rows]
-        if self.draft_s:
-            near = min(self.draft_s, key=lambda n: (abs(n - rows), n))
-            return self.draft_s[near] * self.verify(rows, 1) / self.verify(near, 1)
-        return self.draft_rel * self.verify(rows, 1)
+    def draft(self, rows: int, slots: int = 0) -> float:
+        """A draft call of `slots` draft slots (0: any width, the widest timed). A width not timed for this
+        row count: the nearest timed one's, scaled by (DRAFT_WIDTH_BASE + width) per block width (slots + 1;
+        no scaling where either width is not said); a row count not timed: the nearest one's, scaled as its
+        one-token verify."""
+        if rows not in self.draft_s:
+            if self.draft_s:
+                near = min(self.draft_s, key=lambda n: (abs(n - rows), n))
+                return self.draft(near, slots) * self.verify(rows, 1) / self.verify(near, 1)
+            return self.draft_rel * self.verify(rows, 1)
+        table = self.draft_s[rows]
+        if slots in table:
+            return table[slots]
+        have = max(table) if not slots else min(table, key=lambda s: (abs(s - slots), -s))
+        if not slots or not have:
+            return table[have]
+        return table[have] * (DRAFT_WIDTH_BASE + slots + 1) / (DRAFT_WIDTH_BASE + have + 1)
 
     def to_dict(self) -> dict:
         return {"verify_s": {str(n): {str(t): s for t, s in sorted(tab.items())}
                              for n, tab in sorted(self.verify_s.items())},
-                "draft_s": {str(n): s for n, s in sorted(self.draft_s.items())}}
+                "draft_s": {str(n): {str(w): s for w, s in sorted(tab.items())}
+                            for n, tab in sorted(self.draft_s.items())}}
 
 
 def probe(backend, block_size: int, repeats: int = 2) -> CostModel:
@@ -120,5 +137,5 @@ def probe(backend, block_size: int, repeats: int = 2) -> CostModel:
     if dc is not None:
         taps = torch.zeros(1, block_size, tc.hidden_size * dc.num_taps, device=dev)
         block = torch.full((1, block_size), dc.mask_token_id, dtype=torch.int64, device=dev)
-        model.observe_draft(1, best(lambda: backend.draft(slot, taps, pos, block, pos, None)))
+        model.observe_draft(1, best(lambda: backend.draft(slot, taps, pos, block, pos, None)), block_size - 1)
     return model

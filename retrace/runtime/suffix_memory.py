@@ -229,11 +229,15 @@ class SuffixMemory:
             return None
         return range(min(lo for lo, _ in spans), max(hi for _, hi in spans) + 1)
 
-    def read(self, slots: torch.Tensor) -> SuffixInputs:
+    def read(self, slots: torch.Tensor, width: int | None = None) -> SuffixInputs:
         """The memory of `slots` (a contiguous range: views of the buffers, no copy; the next write comes
-        after the drafter call that reads them)."""
+        after the drafter call that reads them); width: its first `width` new slots, for a block that
+        narrow (a dense copy where the slice is not one piece of memory)."""
         rows = self._rows(slots)
-        return SuffixInputs(self.memory[rows], self.features[rows], self.valid[rows], self.corr_index[rows])
+        parts = (self.memory[rows], self.features[rows], self.valid[rows], self.corr_index[rows])
+        if width is not None and width < self.block_size:
+            parts = tuple(t[:, :width].contiguous() for t in parts)
+        return SuffixInputs(*parts)
 
     @staticmethod
     def _rows(slots: torch.Tensor) -> slice | torch.Tensor:

@@ -2,11 +2,13 @@
 
 `fixed`: K = B-1 always (the whole block; what `retrace eval` measures).
 `adaptive`: maximise the round's expected committed tokens per second,
-    rate(K) = sum_i (1 + E_i[a | K]) / (t_draft(N) + t_verify(N, K + 1)),
+    rate(K) = sum_i (1 + E_i[a | K]) / (t_draft(N, S) + t_verify(N, K + 1)),   K <= S,
     E_i[a | K] = sum_{k<=K} prod_{j<=k} p_ij   (slot k is accepted only if every earlier one was),
 with p_ij the acceptance probability of row i's draft j from the drafter's own confidence through an
 online calibration (runtime/calibration.py) and the times from a cost model of this machine and backend
-(runtime/cost_model.py), both kept current from the rounds' own outcomes and timings.
+(runtime/cost_model.py), both kept current from the rounds' own outcomes and timings. S, the draft slots the
+drafter fills (the block [anchor, MASK x S], S <= B-1), is chosen before drafting from the same costs and the
+recent per-slot acceptance (`plan`, runtime/draft_width.py): a narrower block is a cheaper draft call.
 
 One K for all rows of the call (`ragged=False`, the default). The verify of a padded batch costs the time
 of its longest row and E_i[a | K] never decreases with K, so once the call verifies K drafts for one row,
@@ -40,6 +42,7 @@ from retrace.runtime.calibration import Calibration
 from retrace.runtime.cost_model import CostModel, probe
 from retrace.runtime.device import index_tensor, read
 from retrace.runtime.draft_tree import DraftTree
+from retrace.runtime.draft_width import DraftWidth
 from retrace.runtime.tree_budget import best_budget, node_outcomes
 
 POLICIES = ("adaptive", "fixed")
@@ -149,6 +152,8 @@ class AdaptivePolicy:
         self.state: dict[str, _ModeState] = {}
         self._last: tuple[torch.Tensor, dict] | None = None  # (conf, greedy/sampling rows) of the round
         self._last_tree: torch.Tensor | None = None  # the best-first factors of a tree round's nodes
+        self.width = DraftWidth(block_size)  # the draft slots of a chain round (runtime/draft_width.py)
+        self._slots = 0  # the draft slots of the round being chosen / observed
 
     def _calibration(self, mode: str, greedy: bool, device: torch.device) -> Calibration:
         key = (mode, greedy)
@@ -164,7 +169,7 @@ class AdaptivePolicy:
         if st.off > 0:
             st.off -= 1
             return 0
-        return self.block_size - 1
+        return self.width.choose(mode, rows, self.cost)
 
     def choose(self, mode, draft_logits, drafts, q):
         # on the device, up to the one read of the chosen K (and the gain) at the end
@@ -177,7 +182,7 @@ class AdaptivePolicy:
             p[_take(rows, N, dev)] = self._calibration(mode, g, dev).prob(conf[_take(rows, N, dev)])
         self._last = (conf, groups)
         gain = torch.cat([torch.zeros(N, 1, dtype=torch.float64, device=dev), p.cumprod(1).cumsum(1)], 1)  # E[a | K]
-        t_draft = self.cost.draft(N)
+        t_draft = self.cost.draft(N, S)
         t_verify = torch.tensor([self.cost.verify(N, k + 1) for k in range(S + 1)], dtype=torch.float64, device=dev)
         t_round = t_draft + t_verify
         rate = (N + gain.sum(0)) / t_round
@@ -185,10 +190,14 @@ class AdaptivePolicy:
         picked = [best.double().unsqueeze(0), (rate[best] * t_verify[0] / N).unsqueeze(0)]
         if self.ragged:
             picked.append((1 + gain - rate[best] * t_round.unsqueeze(0) / N).argmax(1).double())
-        host = read(torch.cat(picked))
+        counts = self.width.pending(mode)  # the draft width's acceptance counts (draft_width.py), same read
+        host = read(torch.cat(picked if counts is None else [*picked, counts]))
         probe = self._state(mode).gain is None  # the first drafted round after a pause (or ever)
         self._update_gain(mode, host[1])
-        k = [int(x) for x in host[2:]] if self.ragged else [int(host[0])] * N
+        if counts is not None:
+            self.width.absorb(mode, host[len(host) - counts.numel():])
+        self._slots = S
+        k = [int(x) for x in host[2:2 + N]] if self.ragged else [int(host[0])] * N
         # a probe judges at least one draft per row, so the calibration keeps learning while drafting is off
         return index_tensor([max(x, min(1, S)) for x in k] if probe else k, dev)
 
@@ -205,9 +214,10 @@ class AdaptivePolicy:
         if self.learn_cost:
             self.cost.observe_verify(rows, verify_tokens, verify_s)
             if draft_s is not None:
-                self.cost.observe_draft(rows, draft_s)
+                self.cost.observe_draft(rows, draft_s, self._slots)
         if verified is None or self._last is None:
             return
+        self.width.observe(mode, self._slots, verified, accepted)
         conf, groups = self._last
         self._last = None
         for g, rows in groups.items():
@@ -226,7 +236,7 @@ class AdaptivePolicy:
     def observe_tree(self, mode, rows, verify_tokens, verify_s, draft_s, tree, path, accepted) -> None:
         if self.learn_cost:
             self.cost.observe_verify(rows, verify_tokens, verify_s)
-            self.cost.observe_draft(rows, draft_s)
+            self.cost.observe_draft(rows, draft_s, self.block_size - 1)  # a tree drafts the whole block
         factor, self._last_tree = self._last_tree, None
         if factor is None:
             return

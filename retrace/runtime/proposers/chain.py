@@ -1,6 +1,7 @@
-"""The drafter chain: the block [anchor, MASK x (B-1)] drafted in one call, conditioned on the committed
-context (and, in retrace mode, on the previous round's rejected suffix); greedy rows take the drafter's
-argmax, sampling rows sample its processed distribution; the verify policy picks K drafts per row."""
+"""The drafter chain: the block [anchor, MASK x S] drafted in one call (S <= B-1 draft slots: the verify
+policy's draft width), conditioned on the committed context (and, in retrace mode, on the previous round's
+rejected suffix); greedy rows take the drafter's argmax, sampling rows sample its processed distribution;
+the verify policy picks K <= S drafts per row."""
 
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ class DrafterCall:
         return self._space
 
     def __call__(self, batch: RoundBatch, slots: int):
-        N, B, dev = batch.rows, self.block_size, batch.device
-        block_ids = torch.cat([batch.anchor.unsqueeze(1), torch.full((N, B - 1), self.mask_id, device=dev)], dim=1)
+        """The block [anchor, MASK x slots]: `slots` <= B - 1 draft slots (the verify policy's draft width)."""
+        N, W, dev = batch.rows, slots + 1, batch.device
+        block_ids = torch.cat([batch.anchor.unsqueeze(1), torch.full((N, slots), self.mask_id, device=dev)], dim=1)
         ctx_taps, ctx_pos = context(batch.reqs, self.backend.max_seq_len, dev)
-        suffix = self.memory.read(batch.slots) if batch.mode == "retrace" else None
+        suffix = self.memory.read(batch.slots, W) if batch.mode == "retrace" else None
         hidden, draft_logits = self.backend.draft(batch.slots, ctx_taps, ctx_pos, block_ids,
-                                                  index_tensor(ranges(batch.anchor_host, B), dev), suffix)
+                                                  index_tensor(ranges(batch.anchor_host, W), dev), suffix)
         space = self.space
         space.check(draft_logits, self.backend)
-        draft_logits = draft_logits[:, :slots]
         drafts, q = propose_tokens(draft_logits, batch.reqs, space)
         return hidden, draft_logits, drafts, q
 
