@@ -260,3 +260,24 @@ def test_tree_systems_run_under_the_policy_and_at_fixed_budgets(tmp_path):
         fixed = entry(results, "retrace-torch-dflash-tree3-fixed", b)
         assert len(fixed["verify_hist"]) <= 3 and fixed["agreement"]["prompts_mismatched"] == 0, fixed
         assert entry(results, "retrace-torch-dflash-tree", b)["agreement"]["prompts_mismatched"] == 0
+
+
+def test_ratios_compare_at_the_same_weight_precision():
+    """An int4 system is compared with the peer of the same precision (its name's suffix), never with the
+    fp32 peer; a precision the peer lacks gives no ratio."""
+    from retrace.bench.analysis import ratios
+    from retrace.bench.precision import of_name
+
+    assert (of_name("retrace-onnxruntime-ar-int4b256"), of_name("ortgenai-ar-int8"), of_name("hf-ar")) == (
+        "-int4b256", "-int8", "")
+
+    def system(name, tps, family="retrace"):
+        return {"name": name, "family": family, "status": "ok", "batch_size": 1, "tokens_per_s": tps}
+
+    got = {(r["system"], r["peer"]): r["ratio"] for r in ratios([
+        system("retrace-onnxruntime-ar-int4b256", 40.0), system("retrace-onnxruntime-ar", 10.0),
+        system("retrace-onnxruntime-ar-int8", 20.0), system("ortgenai-ar-int4b256", 50.0, "ortgenai"),
+        system("ortgenai-ar", 12.5, "ortgenai")])}
+    assert got["retrace-onnxruntime-ar-int4b256", "ortgenai-ar"] == pytest.approx(0.8)
+    assert got["retrace-onnxruntime-ar", "ortgenai-ar"] == pytest.approx(0.8)
+    assert got["retrace-onnxruntime-ar-int8", "ortgenai-ar"] is None

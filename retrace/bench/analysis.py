@@ -9,6 +9,7 @@ import statistics
 
 from retrace.bench.config import GOALS, HEADLINE, PEERS, BenchConfig
 from retrace.bench.lineup import Built
+from retrace.bench.precision import of_name
 from retrace.bench.prompts import BenchPrompt
 from retrace.bench.systems import RunOut
 
@@ -146,14 +147,15 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
 
 
 def ratios(systems: list[dict]) -> list[dict]:
-    """tokens/s of every retrace configuration over every peer at the same batch size (None where n/a)."""
+    """tokens/s of every retrace configuration over every peer at the same batch size and weight precision
+    (the peer's name with the system's precision suffix, retrace.bench.precision; None where n/a)."""
     ok = {(s["name"], s["batch_size"]): s for s in systems if s["status"] == "ok"}
     out = []
     for s in systems:
         if s["family"] != "retrace" or s["status"] != "ok":
             continue
         for peer in PEERS:
-            p = ok.get((peer, s["batch_size"]))
+            p = ok.get((peer + of_name(s["name"]), s["batch_size"]))
             out.append({"system": s["name"], "batch_size": s["batch_size"], "peer": peer,
                         "ratio": s["tokens_per_s"] / p["tokens_per_s"] if p and p["tokens_per_s"] else None})
     return out

@@ -10,6 +10,8 @@ fp32 names stay as they were.
 
 from __future__ import annotations
 
+import re
+
 from retrace.errors import RetraceError
 
 LLAMACPP_TYPES = {"int4": "Q4_K_M", "int8": "Q8_0"}
@@ -35,6 +37,12 @@ def suffix(precision: str) -> str:
         return ""
     w, _, block = precision.partition(":")
     return f"-{w}" + (f"b{block}" if block else "")
+
+
+def of_name(name: str) -> str:
+    """The precision suffix a system's name ends with ('' for fp32): '...-ar-int4b256' -> '-int4b256'."""
+    m = re.search(r"-int[48](b\d+)?$", name)
+    return m.group(0) if m else ""
 
 
 def llamacpp_type(precision: str) -> str | None:
