@@ -6,10 +6,11 @@ Stored in the drafter directory as two files:
     draft_vocab.json         {"draft_vocab_size", "target_vocab_size", "coverage", ...}: size and coverage
 A drafter without them keeps the full head. The subset ids are sorted, so draft id i is the i-th subset id.
 
-The drafter scores only the subset rows of the target's LM head, and `expand` puts those logits back at
-their target ids, with -inf elsewhere, before the loop sees them: the loop is unchanged, a draft is only
-ever a subset token, and the proposal q is exactly a distribution over the subset (q = 0 outside), so
-acceptance min(1, p/q) and the residual max(0, p - q) stay exact (lossless).
+The drafter scores only the subset rows of the target's LM head. The runtime's round works over the subset
+(retrace/runtime/draft_space.py: the backends name the ids, `draft_ids`); the model's own forward, which
+training and the dense-past backend run, puts the logits back at their target ids with -inf elsewhere
+(`expand`). Either way a draft is only ever a subset token and the proposal q is exactly a distribution over
+the subset (q = 0 outside), so acceptance min(1, p/q) and the residual max(0, p - q) stay exact (lossless).
 """
 
 from __future__ import annotations
@@ -63,11 +64,6 @@ class DraftVocab:
     def expand(self, sub_logits: torch.Tensor) -> torch.Tensor:
         """Subset logits [..., Vd] -> target-vocab logits [..., V] float32: -inf outside the subset."""
         return expand_rows(sub_logits.float(), self.ids, self.target_vocab_size, float("-inf"))
-
-    def restrict(self, logits: torch.Tensor) -> torch.Tensor:
-        """Full-head logits [..., V] -> the same with -inf outside the subset (for a graph whose head cannot be
-        cut off: the same drafts and q as `expand` of the subset rows)."""
-        return self.expand(logits.index_select(-1, self.ids.to(logits.device)))
 
     # -- files ---------------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
