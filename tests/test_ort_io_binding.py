@@ -54,6 +54,9 @@ class _RecordingBinding:
     def __init__(self, inner, log, graph):
         self.inner, self.log, self.graph = inner, log, graph
 
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
     def bind_input(self, *args):
         self.log.append(("input", *args, self.graph))
         self.inner.bind_input(*args)
@@ -85,8 +88,8 @@ def test_a_generate_binds_everything_in_place_and_is_the_torch_decode():
     be = OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=2, threads=1, verify=False)
     assert be.kv_mode == "inplace" and be.device == torch.device("cpu")
     log = []
-    be.tgraph.sess = _RecordingSession(be.tgraph.sess, log, "target")
-    be.dgraph.sess = _RecordingSession(be.dgraph.sess, log, "drafter")
+    be.tgraph.bound = io.BoundSession(_RecordingSession(be.tgraph.sess, log, "target"))
+    be.dgraph.bound = io.BoundSession(_RecordingSession(be.dgraph.sess, log, "drafter"))
     prompts = [[5, 17, 3, 41, 8, 8, 12], [60, 2, 33, 9]]
     params = SamplingParams(max_new_tokens=12)
     ours = Runtime(be, verify_policy="fixed").generate(prompts, params, "retrace")
@@ -109,3 +112,36 @@ def test_a_generate_binds_everything_in_place_and_is_the_torch_decode():
     assert not [e for e in target if e[1].startswith("new_key_")]
     # the drafter's new K/V land in one staging buffer per call, its logits only for the block's B - 1 rows
     assert {e[5][1] for e in binds if e[-1] == "drafter" and e[1] == "logits"} <= {be.drafter_config.block_size - 1}
+    # the caches are bound once per slot range, not at every call (BoundSession)
+    runs = sum(e == ("run",) for e in log)
+    assert len([e for e in past if e[1] == "past_key_0"]) <= 3 < runs
+
+
+def _add_graph():
+    a, b, c = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n"]) for n in "abc")
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "g", [a, b], [c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_a_kept_binding_reads_each_runs_memory_and_rebinds_only_what_moved():
+    log = []
+    bound = io.BoundSession(_RecordingSession(_add_graph(), log, "add"))
+    a, b, c = torch.ones(4), torch.full((4,), 2.0), torch.empty(4)
+    bound.run({"a": a, "b": b}, {"c": c})
+    assert torch.equal(c, torch.full((4,), 3.0)) and len(log) == 4  # 3 binds, 1 run
+    a.fill_(10)  # written in place: the same tensors bind nothing, and the run reads the new values
+    bound.run({"a": a, "b": b}, {"c": c})
+    assert torch.equal(c, torch.full((4,), 12.0)) and len(log) == 5
+    b2, c2 = torch.full((4,), 100.0), torch.empty(4)  # new memory: rebound
+    bound.run({"a": a, "b": b2}, {"c": c2})
+    assert torch.equal(c2, torch.full((4,), 110.0)) and [e[1] for e in log[5:7]] == ["b", "c"]
+    a6, b6, c6 = torch.ones(6), torch.ones(6), torch.empty(6)  # a new shape
+    bound.run({"a": a6, "b": b6}, {"c": c6})
+    assert torch.equal(c6, torch.full((6,), 2.0))
+    with pytest.raises(Exception):  # noqa: B017 - ONNX Runtime's own exception type
+        bound.run({"a": torch.ones(6), "b": torch.ones(5)}, {"c": c6})
+    before = len(log)
+    bound.run({"a": a6, "b": b6}, {"c": c6})  # after a failed run everything is bound afresh
+    assert torch.equal(c6, torch.full((6,), 2.0)) and len(log) - before == 4

@@ -24,7 +24,7 @@ from retrace.engines.bundle import BundleError
 from retrace.runtime.graph_prune import prune
 from retrace.runtime.head_graph import HeadGraph
 from retrace.runtime.lm_head_nbits import nbits_head_model, rewrite_nbits_head
-from retrace.runtime.ort_io_binding import ELEMENT_DTYPE, run_bound
+from retrace.runtime.ort_io_binding import ELEMENT_DTYPE, BoundSession
 
 # the folder ONNX Runtime resolves a graph's external data against when the graph is given as bytes
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
@@ -142,6 +142,7 @@ class LmHead:
         if elem not in ELEMENT_DTYPE:
             raise BundleError(f"{what} has element type {elem}, not float32/16/bf16")
         self.sess = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        self.bound = BoundSession(self.sess)
         self.op_types = tuple(n.op_type for n in model.graph.node)  # Gemm, or MatMulNBits (int4 / int8)
         self.vocab, self.dtype, self.device = V, ELEMENT_DTYPE[elem], torch.device(device)
 
@@ -149,5 +150,5 @@ class LmHead:
         """rows [R, d] (R = prod(lead)) -> logits [*lead, V], on the session's device (bound where they are)."""
         rows = rows.to(self.device).contiguous()
         out = torch.empty(rows.shape[0], self.vocab, dtype=self.dtype, device=self.device)
-        run_bound(self.sess, {"rows": rows}, {"logits": out})
+        self.bound.run({"rows": rows}, {"logits": out})
         return out.view(*lead, self.vocab)

@@ -64,8 +64,8 @@ from retrace.runtime.lm_head_split import (
 from retrace.runtime.ort_io_binding import (
     ELEMENT_DTYPE,
     PROVIDER_DEVICE,
+    BoundSession,
     first_provider,
-    run_bound,
     session_device,
     torch_dtype,
 )
@@ -175,6 +175,7 @@ class _Graph:
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             raise RetraceError(f"{path}: ONNX Runtime {ort.__version__} cannot load the {what} graph ({e}). "
                                "Bundles need onnxruntime >= 1.22 (opset 23)") from None
+        self.bound = BoundSession(self.sess)
         self.inputs = {i.name: i.type for i in self.sess.get_inputs()}
         self.outputs = {o.name: o.type for o in self.sess.get_outputs()}
         self.past_names = [n for n in self.inputs if n.startswith(("past_key_", "past_value_"))]
@@ -186,7 +187,7 @@ class _Graph:
     def run(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
         placed = {name: t.contiguous() if name in HOST_INPUTS else t.to(self.device).contiguous()
                   for name, t in feeds.items()}  # kept alive until the run returns
-        run_bound(self.sess, placed, outputs)
+        self.bound.run(placed, outputs)
 
 
 class OnnxRuntimeBackend:
@@ -274,6 +275,7 @@ class OnnxRuntimeBackend:
         tc = self.target_config.layers
         self.tcache = _Cache(tc.num_hidden_layers, self.max_batch, tc.num_key_value_heads, self.max_seq_len + SPARE,
                              tc.head_dim, dtype, self.device)
+        self._views: dict[tuple[int, int], tuple[dict, dict]] = {}  # _kv_views, per slot range
         self.dcache = None
         if self.drafter_config is not None:
             dc = self.drafter_config.layers
@@ -421,8 +423,12 @@ class OnnxRuntimeBackend:
         rows = contiguous_range(slots)
         # scattered slots: their caches up to the call's end gathered into a buffer of that capacity (the
         # operator needs only capacity >= past + T), the new entries written back below
-        kv = (self.tcache.kv[:, rows] if rows is not None
-              else torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots.to(self.device)))
+        if rows is None:
+            kv = torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots.to(self.device))
+            caches = dict(zip(g.past_names, kv, strict=True))
+            presents = {"present_" + name[len("past_"):]: t for name, t in caches.items()}
+        else:  # the same view objects every call for these rows: bound once (ort_io_binding.BoundSession)
+            caches, presents = self._kv_views(rows)
         rows_in = T + self.inplace.pad  # the operator's rows (a pad row: retrace.runtime.row_invariance)
         feeds.update(seqlens_k=(past_len + (rows_in - 1)).to(torch.int32),
                      query_seqlens=torch.full((N,), rows_in, dtype=torch.int32),
@@ -430,13 +436,21 @@ class OnnxRuntimeBackend:
         if BIAS in g.inputs:
             mask = pad_tree_mask(feeds["tree_mask"], rows_in)
             feeds[BIAS] = tree_bias(mask, past_len, total, g.dtype(BIAS))
-        caches = dict(zip(g.past_names, kv, strict=True))
         feeds.update(caches)
-        out.update({"present_" + name[len("past_"):]: t for name, t in caches.items()})
+        out.update(presents)
         g.run({k: v for k, v in feeds.items() if k in g.inputs}, out)
         if rows is None:  # write the new entries back into the scattered slots
             for n, (s, p0) in enumerate(zip(slots.tolist(), past_len.tolist(), strict=True)):
                 self.tcache.kv[:, s, :, p0:p0 + T] = kv[:, n, :, p0:p0 + T]
+
+    def _kv_views(self, rows: slice) -> tuple[dict, dict]:
+        """{past name: the cache of slots `rows`} and the same views under the present names (in place),
+        made once per slot range."""
+        key = (rows.start, rows.stop)
+        if key not in self._views:
+            caches = dict(zip(self.tgraph.past_names, self.tcache.kv[:, rows], strict=True))
+            self._views[key] = caches, {"present_" + name[len("past_"):]: t for name, t in caches.items()}
+        return self._views[key]
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
         g = self.dgraph

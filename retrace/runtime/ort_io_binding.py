@@ -14,6 +14,8 @@ numpy types), so bfloat16, which numpy lacks, binds like the rest.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from onnx import TensorProto
 
@@ -88,14 +90,63 @@ def bind_output(binding, name: str, t: torch.Tensor) -> None:
 
 
 def run_bound(sess, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
-    """One run with every input and output bound by pointer. Feeds must already be dense and on a device
-    the session accepts (ONNX Runtime copies a host input a device kernel needs, e.g. a shape scalar)."""
-    cuda = next((t.device for t in (*feeds.values(), *outputs.values()) if t.device.type == "cuda"), None)
-    if cuda is not None:  # the gathers / uploads torch queued on its stream finish before ONNX Runtime's reads
-        torch.cuda.current_stream(cuda).synchronize()
-    b = sess.io_binding()
-    for name, t in feeds.items():
-        bind_input(b, name, t)
-    for name, t in outputs.items():
-        bind_output(b, name, t)
-    sess.run_with_iobinding(b)  # returns after the providers synchronised (RunOptions default)
+    """One run with every input and output bound by pointer, on a fresh binding (see BoundSession for the
+    binding kept across runs). Feeds must already be dense and on a device the session accepts (ONNX Runtime
+    copies a host input a device kernel needs, e.g. a shape scalar)."""
+    BoundSession(sess).run(feeds, outputs)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.dtype, t.device
+
+
+class BoundSession:
+    """A session with ONE IOBinding kept across its runs: a name is bound again only when the memory, shape,
+    dtype or device of its tensor changed since the previous run.
+
+    A binding by pointer is only the address, shape and type of the memory (ONNX Runtime reads and writes it
+    when it runs, not when it is bound: tests/test_ort_io_binding.py), so a name whose four are the same as
+    last run's is already bound to what this run passes: the same tensor (the K/V caches of the in-place
+    graphs, bound whole at every call: an identity check) or a new one at the same address. The tensors of
+    the last run are held until the next one binds others, so a bound address is never freed memory. The
+    first run binds everything; a run whose set of names differs starts from a clear binding. At the
+    Qwen3-0.6B shape this skips 112 of the target's 121 binds per call (1.4 ms of Python in onnxruntime's
+    wrapper per call on a 2-core AMD EPYC, against 0.2 ms for the checks). Runs from several threads take
+    turns (the binding is shared state; the loop runs a backend from one thread anyway)."""
+
+    def __init__(self, sess):
+        self.sess = sess
+        self.binding = sess.io_binding()
+        self._bound: tuple[dict, dict] = ({}, {})  # inputs, outputs: name -> (tensor, _key(tensor))
+        self._lock = threading.Lock()
+
+    def run(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._run(feeds, outputs)
+
+    def _run(self, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        cuda = next((t.device for t in (*feeds.values(), *outputs.values()) if t.device.type == "cuda"), None)
+        if cuda is not None:  # the gathers / uploads torch queued on its stream finish before ONNX Runtime's reads
+            torch.cuda.current_stream(cuda).synchronize()
+        b = self.binding
+        ins, outs = self._bound
+        if (feeds.keys() != ins.keys() or outputs.keys() != outs.keys()) and (ins or outs):
+            b.clear_binding_inputs()
+            b.clear_binding_outputs()
+            ins, outs = self._bound = ({}, {})
+        for tensors, bound, bind in ((feeds, ins, bind_input), (outputs, outs, bind_output)):
+            for name, t in tensors.items():
+                last = bound.get(name)
+                if last is not None and last[0] is t:
+                    continue
+                key = _key(t)
+                if last is None or last[1] != key:
+                    bind(b, name, t)
+                bound[name] = (t, key)
+        try:
+            self.sess.run_with_iobinding(b)  # returns after the providers synchronised (RunOptions default)
+        except BaseException:
+            b.clear_binding_inputs()  # everything bound afresh next run
+            b.clear_binding_outputs()
+            self._bound = ({}, {})
+            raise
