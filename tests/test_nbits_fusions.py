@@ -1,6 +1,6 @@
 """The quantized bundle's graph fusions (retrace.export.nbits_fusions), each on its own: the fused graph's
 outputs equal the unfused quantized graph's (logits within 1e-5 x max|logit|, the same greedy tokens), on
-the target (and its tree inputs where it has them) and on the drafter (its GatedSuffixFusion node kept), and the node
+the target (and its tree inputs where it has them) and on the drafter (its GatedSuffixFusion inlined), and the node
 counts change exactly as intended (q/k/v and gate/up: 5 MatMulNBits per layer become 2 plus 2 Splits;
 each residual Add + RMSNormalization becomes one SkipSimplifiedLayerNormalization).
 """
@@ -95,10 +95,10 @@ def test_target_fusion_keeps_the_logits(unfused, tmp_path, fusion):
             assert np.abs(g - r).max() <= TOL * max(1.0, float(np.abs(r).max()))
 
 
-def test_drafter_fusion_keeps_its_logits_and_custom_node(unfused, tmp_path):
+def test_drafter_fusion_keeps_its_logits(unfused, tmp_path):
     paths, _, drafter = unfused
     fused, counts = _fused(paths["drafter"], tmp_path, None)
-    assert _ops(fused)["GatedSuffixFusion"] == 1
+    assert "GatedSuffixFusion" not in _ops(fused)  # inlined when quantized (retrace.export.inline_fusion)
     assert sum(counts.values()) > 0
     suffix = drafter.conditioner is not None
     L = drafter.config.layers.num_hidden_layers

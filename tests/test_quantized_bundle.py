@@ -72,7 +72,12 @@ def test_manifest_records_the_quantization(qbundle):
         assert m["graphs"][name]["ops"].get("SkipSimplifiedLayerNormalization", 0) == fused["fuse_skip_rms_norm"]
     assert q["graphs"]["target"]["fusions"] == {"merge_parallel_nbits": 4, "fuse_skip_rms_norm": 4}  # 2 layers
     proto = onnx.load(str(bundle / "drafter" / "model.onnx"), load_external_data=False)
-    assert [n.op_type for n in proto.graph.node].count("GatedSuffixFusion") == 1  # the custom node survives
+    # the fusion inlined (retrace.export.inline_fusion) and its three linear layers quantized like the rest
+    assert [n.op_type for n in proto.graph.node].count("GatedSuffixFusion") == 0 and not proto.functions
+    inlined = q["graphs"]["drafter"]["inlined_fusion_matmuls"]
+    assert inlined == ["gated_suffix_fusion_gate", "gated_suffix_fusion_refine", "gated_suffix_fusion_value"]
+    assert {f"{n}_Q4" for n in inlined} <= set(q["graphs"]["drafter"]["nodes"])
+    assert q["graphs"]["target"]["inlined_fusion_matmuls"] == [] and m["graphs"]["drafter"]["custom_nodes"] == 0
     # the drafter's quantized LM head is the target's, byte for byte: one mapped copy for both sessions
     assert m["graphs"]["drafter"]["shared_initializers"] == {
         "shared_target.model.embed_tokens.weight": "target.model.embed_tokens.weight",

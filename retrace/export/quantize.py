@@ -15,7 +15,8 @@ memory-mapped data file, so quantizing it saves disk, not resident memory or tim
 the head quantizes to the same bytes as the target's (`shared_target.<name>.T_Q4` beside `target.<name>
 .T_Q4`), so retrace.runtime.shared_weights still maps one copy for both sessions and, for a large head,
 retrace.runtime.lm_head_split runs it in one session of its own (retrace.runtime.lm_head_nbits).
-The drafter's GatedSuffixFusion node is a function call whose weights are function inputs: it stays float.
+The drafter's GatedSuffixFusion node is inlined first (retrace.export.inline_fusion: ONNX Runtime, the only
+backend of a quantized bundle, inlines it at load anyway), so its three linear layers are quantized too.
 Then retrace.export.nbits_fusions merges the parallel MatMulNBits (q/k/v, gate/up) and fuses each residual
 Add + RMSNormalization into ONNX Runtime's SkipSimplifiedLayerNormalization (`fuse=False`: without them).
 
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from retrace.errors import RetraceError
+from retrace.export.inline_fusion import inline_gated_suffix_fusion
 from retrace.export.nbits_fusions import fuse_quantized
 
 WEIGHTS = ("fp32", "int8", "int4")
@@ -154,6 +156,7 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
 
         head = None
         load_external_data_for_model(model, str(path.parent))
+    inlined = inline_gated_suffix_fusion(model)  # the drafter's fusion: its three layers quantized too
     before = {n.name for n in model.graph.node if n.op_type == "MatMul"}
 
     def run(m, block: int, **which):
@@ -183,7 +186,7 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
     relocate_external(tmp, data.name)
     os.replace(tmp, path)
     return {"nodes": nodes, "float_matmuls": left, "lm_head": f"{head}.T" if head else None,
-            "fusions": fusions, "data_bytes": data.stat().st_size}
+            "fusions": fusions, "inlined_fusion_matmuls": inlined, "data_bytes": data.stat().st_size}
 
 
 def _save(model, path: Path, location: str) -> None:
@@ -256,6 +259,7 @@ def quantize_bundle(graphs: dict, target, q: WeightQuant, note=None) -> dict:
             record["graphs"][name] = quantize_graph(g.path, q)
             ops = collections.Counter(n.op_type for n in onnx.load(str(g.path), load_external_data=False).graph.node)
             g.op_counts, g.node_count = dict(ops), sum(ops.values())
+            g.custom_nodes = ops.get("GatedSuffixFusion", 0)
             if note:
                 note(f"{name}: {len(record['graphs'][name]['nodes'])} MatMulNBits, "
                      f"{record['graphs'][name]['data_bytes'] / 2**20:.1f} MiB of weights")
