@@ -110,8 +110,8 @@ class BoundSession:
     graphs, bound whole at every call: an identity check) or a new one at the same address. The tensors of
     the last run are held until the next one binds others, so a bound address is never freed memory. The
     first run binds everything; a run whose set of names differs starts from a clear binding. At the
-    Qwen3-0.6B shape this skips 112 of the target's 121 binds per call (1.4 ms of Python in onnxruntime's
-    wrapper per call on a 2-core AMD EPYC, against 0.2 ms for the checks). Runs from several threads take
+    Qwen3-0.6B shape this skips 112 of the target's 121 binds per call (0.7-1.4 ms of Python in onnxruntime's
+    wrapper per call on a 2-core AMD EPYC, against 0.01-0.05 ms for the checks). Runs from several threads take
     turns (the binding is shared state; the loop runs a backend from one thread anyway)."""
 
     def __init__(self, sess):
