@@ -426,7 +426,7 @@ class OnnxRuntimeBackend:
         if rows is None:
             kv = torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots.to(self.device))
             caches = dict(zip(g.past_names, kv, strict=True))
-            presents = {"present_" + name[len("past_"):]: t for name, t in caches.items()}
+            presents = as_presents(caches)
         else:  # the same view objects every call for these rows: bound once (ort_io_binding.BoundSession)
             caches, presents = self._kv_views(rows)
         rows_in = T + self.inplace.pad  # the operator's rows (a pad row: retrace.runtime.row_invariance)
@@ -449,7 +449,7 @@ class OnnxRuntimeBackend:
         key = (rows.start, rows.stop)
         if key not in self._views:
             caches = dict(zip(self.tgraph.past_names, self.tcache.kv[:, rows], strict=True))
-            self._views[key] = caches, {"present_" + name[len("past_"):]: t for name, t in caches.items()}
+            self._views[key] = caches, as_presents(caches)
         return self._views[key]
 
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
@@ -501,6 +501,11 @@ class OnnxRuntimeBackend:
 
     def release(self, slot: int) -> None:
         pass  # positions mask stale cache entries; nothing to clear
+
+
+def as_presents(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{past_<x>: t} -> {present_<x>: t}: the in-place graph writes each layer's new K/V into its past buffer."""
+    return {"present_" + name[len("past_"):]: t for name, t in caches.items()}
 
 
 def row_widths(bundle: Bundle, inplace) -> RowWidths:
