@@ -108,8 +108,10 @@ def draft_confidence(draft_logits: torch.Tensor, q: list[torch.Tensor | None]) -
     longer the target's distribution (tests/test_runtime_sampling.py measured it: chi-square p ~ 1e-95).
     q is a function of the committed context only (the block is drafted in parallel), so a K chosen from
     it is a stopping rule that never looks at the drafts it stops."""
-    logits = draft_logits.float()
-    conf = 1.0 / (logits - logits.amax(-1, keepdim=True)).exp().sum(-1)  # amax: the values alone, no indices
+    # torch's softmax kernel, not exp() of (l - max): exp's CPU kernel takes a slow path where l - max < ~-87
+    # (results that underflow), which a padded or masked vocabulary hits at most entries (2.5 vs 0.18 ms for
+    # [2, 15, 8192] logits of the 0.6B-shape zoo pair, whose padded ids sit at -901)
+    conf = draft_logits.float().softmax(-1).amax(-1)
     for i, qi in enumerate(q):
         if qi is not None:
             conf[i] = qi.max(-1).values
