@@ -118,6 +118,10 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
 
+    @property
+    def metrics_enabled(self) -> bool:
+        return not any(a.replace(" ", "=") in ("--allow-metrics=false", "--allow-metrics=0") for a in self.extra_args)
+
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -171,9 +175,9 @@ class TritonServer:
                     break
         raise TritonServerError(last)
 
-    def _get(self, path: str, timeout: float = 2.0) -> int:
+    def _get(self, path: str, timeout: float = 2.0, base: str | None = None) -> int:
         try:
-            with urllib.request.urlopen(f"{self.http_url}{path}", timeout=timeout) as r:
+            with urllib.request.urlopen(f"{base or self.http_url}{path}", timeout=timeout) as r:
                 return r.status
         except urllib.error.HTTPError as e:
             return e.code
@@ -189,9 +193,10 @@ class TritonServer:
                 raise TritonServerError(
                     f"tritonserver exited with code {rc} during startup; log {self.log_path}:\n{self.log_tail()}"
                 )
+            # tritonserver opens its metrics endpoint after HTTP and gRPC: ready means all three answer
             if self._get("/v2/health/ready") == 200 and all(
                 self._get(f"/v2/models/{m}/ready") == 200 for m in self.models
-            ):
+            ) and (not self.metrics_enabled or self._get("", base=self.metrics_url) == 200):
                 return
             time.sleep(0.1)
         raise TritonServerError(
