@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -97,6 +98,16 @@ def tokens_per_s(rt: Runtime, prompts: list[list[int]], max_new: int) -> tuple[f
     return n / (time.perf_counter() - t0), out
 
 
+def unfrozen(make):
+    """A backend whose compiled steps are built without inductor's freezing (runtime/compiled_step.py)."""
+    old = os.environ.get("RETRACE_COMPILE_FREEZING")
+    os.environ["RETRACE_COMPILE_FREEZING"] = "0"
+    try:
+        return make()
+    finally:
+        os.environ.pop("RETRACE_COMPILE_FREEZING") if old is None else os.environ.update(RETRACE_COMPILE_FREEZING=old)
+
+
 def per_call(backends: dict, runs: int, vocab: int) -> dict:
     """ms per target call (min over runs), batch 1, slot 0, the past already in the cache (random K/V)."""
     cpu = torch.device("cpu")
@@ -104,7 +115,7 @@ def per_call(backends: dict, runs: int, vocab: int) -> dict:
     out: dict = {}
     for _ in range(runs):
         for P in (128, 1024):
-            for T in (1, 16):
+            for T in (1, 4, 16):
                 ids = torch.randint(0, vocab, (1, T))
                 pos = index_tensor([list(range(P, P + T))], cpu)
                 for name, be in backends.items():
@@ -126,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also the static path under torch.compile (inductor)")
+    ap.add_argument("--unfrozen", action="store_true",
+                    help="with --compile: also inductor without freezing (RETRACE_COMPILE_FREEZING=0)")
     ap.add_argument("--per-call", action="store_true")
     ap.add_argument("--ort", action="store_true", help="also our ONNX Runtime backend on the same weights")
     ap.add_argument("--skip-concat", action="store_true", help="leave out the dense-past variant")
@@ -145,14 +158,19 @@ def main(argv=None) -> int:
                 "static": lambda: TorchBackend(target, None, **kw)}
     if a.compile:
         variants["static+compile"] = lambda: TorchBackend(target, None, compile=True, **kw)
+    if a.compile and a.unfrozen:
+        variants["static+compile-unfrozen"] = lambda: unfrozen(lambda: TorchBackend(target, None, compile=True, **kw))
     if a.skip_concat:
         del variants["concat"]
     base = next(iter(variants))
     if a.per_call:
-        res = per_call({name: make() for name, make in variants.items()}, a.runs, vocab)
+        backends = {name: make() for name, make in variants.items()}
+        if ort_rt is not None:
+            backends["ort"] = ort_rt.backend
+        res = per_call(backends, a.runs, vocab)
         for key, row in res.items():
             print(f"{key}: " + "  ".join(f"{n} {v:.1f} ms" for n, v in row.items()) +
-                  f"  (static/concat time {row['static'] / row['concat']:.2f}x)")
+                  (f"  (static/concat time {row['static'] / row['concat']:.2f}x)" if "concat" in row else ""))
         if a.json:
             Path(a.json).write_text(json.dumps({"shape": a.shape, "threads": a.threads, "per_call_ms": res}, indent=2))
         return 0

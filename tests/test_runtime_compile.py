@@ -64,3 +64,21 @@ def test_padded_static_steps_compile_without_graph_break(tmp_path):
     assert not be.slot_target_step.fallback and not be.slot_draft_step.fallback
     assert sum(be.runner.calls.values()) > 4  # the padded steps ran
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_inductor_frozen_steps_are_token_exact(tmp_path):
+    """`--compile` on the CPU as users run it: inductor's generated C++ with freezing (the weights prepacked as
+    constants, runtime/compiled_step.py), plain decoding and retrace at batch 2 equal transformers' greedy."""
+    target, drafter = write_pair(tmp_path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48,
+                                 block_size=4, conditioner="random", seed=5)
+    prompts = [[5, 9, 2, 40, 41], [7, 3]]
+    hf = load_hf_target(target)
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    torch._dynamo.reset()
+    rt = Runtime.from_dirs(target, drafter, max_batch=2, max_seq_len=64, verify_policy="fixed", compile=True)
+    be = rt.backend
+    assert be.target_step.freeze and be.draft_step.freeze
+    for mode in ("ar", "retrace"):
+        out = [r.token_ids for r in rt.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True), mode)]
+        assert out == want, mode
+    assert not be.target_step.fallback and not be.draft_step.fallback

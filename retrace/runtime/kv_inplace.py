@@ -38,7 +38,7 @@ BIAS = "attention_bias"
 class InplaceKV:
     layers: int
     tree: bool  # the graph takes attention_bias (it had a tree_mask)
-    pad: bool = False  # each GroupQueryAttention runs on T + 1 rows (pad_attention; the backend's seqlens say so)
+    pad: bool = False  # each GroupQueryAttention runs on max(T, 2) rows (pad_attention; the backend's seqlens say so)
 
 
 def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layout: bool = True,
@@ -49,9 +49,9 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layo
     False keeps a Transpose + Reshape on each of them (the form before, for comparisons). max_positions
     (with fold_layout): the operator applies the rotary embedding itself (do_rotary, cos/sin caches over
     positions 0..max_positions-1 indexed by the graph's position_ids: a tree node keeps its depth).
-    pad_attention: each operator gets q/k/v (and position_ids) with their last row repeated and its output
-    cut back to T rows, so it never runs its one-token path (retrace.runtime.row_invariance); its K/V land
-    one entry past the call, which the next call overwrites."""
+    pad_attention: a one-token call gives each operator q/k/v (and position_ids) with their row repeated and
+    its output cut back to one row, so it never runs its one-token path (retrace.runtime.row_invariance); the
+    pad's K/V land one entry past the call, which the next call overwrites. Wider calls are not padded."""
     from onnx import TensorProto, helper
 
     g = model.graph
@@ -160,30 +160,45 @@ def to_inplace_kv(model, num_heads: int, kv_heads: int, head_dim: int, fold_layo
 
 
 class AttentionPad:
-    """The nodes that give GroupQueryAttention T + 1 rows (the last one repeated) and take T back."""
+    """The nodes that give GroupQueryAttention max(T, 2) rows (a one-token call's row repeated) and take T back:
+    widths >= 2 already run the operator's multi-row path, so only T = 1 gets a pad row."""
 
     def __init__(self, g, const):
-        self.last = const("inplace_kv_pad_last", [-1]), const("inplace_kv_pad_end", [2**62]), const(
-            "inplace_kv_pad_axis", [1])
-        self.drop = const("inplace_kv_pad_zero", [0]), const("inplace_kv_pad_drop", [-1]), self.last[2]
-        self.one = const("inplace_kv_pad_one", [1])
-        self.head: list = []
+        from onnx import helper
+
+        self.end, self.axis = const("inplace_kv_pad_end", [2**62]), const("inplace_kv_pad_axis", [1])
+        self.zero, one, two = const("inplace_kv_pad_zero", [0]), const("inplace_kv_pad_one", [1]), const(
+            "inplace_kv_pad_two", [2])
+        self.T, self.start = "inplace_kv_pad_T", "inplace_kv_pad_start"  # [T], [T - max(2 - T, 0)]
+        self.head: list = [
+            helper.make_node("Shape", ["input_ids"], [self.T], start=1, end=2),
+            helper.make_node("Sub", [two, self.T], ["inplace_kv_pad_short"]),
+            helper.make_node("Max", ["inplace_kv_pad_short", self.zero], ["inplace_kv_pad_n"]),  # pad rows: 1 or 0
+            helper.make_node("Sub", [self.T, "inplace_kv_pad_n"], [self.start]),
+        ]
+        self.one = one
         self._positions: str | None = None
+
+    def _tail(self, x: str, y: str):
+        """The last max(2 - T, 0) rows of x along axis 1 (none when T >= 2)."""
+        from onnx import helper
+
+        return helper.make_node("Slice", [x, self.start, self.end, self.axis], [y])
 
     def grow(self, x: str, nodes: list) -> str:
         from onnx import helper
 
-        nodes.append(helper.make_node("Slice", [x, *self.last], [f"{x}_lastrow"]))
+        nodes.append(self._tail(x, f"{x}_lastrow"))
         nodes.append(helper.make_node("Concat", [x, f"{x}_lastrow"], [f"{x}_padrow"], axis=1))
         return f"{x}_padrow"
 
     def positions(self, nodes: list) -> str:
-        """position_ids [N, T] -> [N, T + 1] (the pad row one past the last), built once."""
+        """position_ids [N, T] -> [N, max(T, 2)] (a pad row one past the last), built once."""
         from onnx import helper
 
         if self._positions is None:
             last = "inplace_kv_pad_positions_last"
-            self.head += [helper.make_node("Slice", ["position_ids", *self.last], [last]),
+            self.head += [self._tail("position_ids", last),
                           helper.make_node("Add", [last, self.one], [f"{last}_next"]),
                           helper.make_node("Concat", ["position_ids", f"{last}_next"], ["inplace_kv_pad_positions"],
                                            axis=1)]
@@ -193,7 +208,12 @@ class AttentionPad:
     def cut(self, rows: str, y: str, nodes: list) -> None:
         from onnx import helper
 
-        nodes.append(helper.make_node("Slice", [rows, *self.drop], [y]))
+        nodes.append(helper.make_node("Slice", [rows, self.zero, self.T, self.axis], [y]))
+
+
+def attention_rows(T: int, pad: bool) -> int:
+    """The rows each GroupQueryAttention of an in-place graph runs for a T-token call (AttentionPad)."""
+    return max(T, 2) if pad else T
 
 
 def _rope(gr, q: str, k: str, head_dim: int, allowed):

@@ -52,7 +52,7 @@ from retrace.models.draft_vocab import DraftVocab
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.bundle_configs import bundle_configs
-from retrace.runtime.kv_inplace import BIAS, to_inplace_kv, tree_bias
+from retrace.runtime.kv_inplace import BIAS, attention_rows, to_inplace_kv, tree_bias
 from retrace.runtime.lm_head_nbits import nbits_rows_model
 from retrace.runtime.lm_head_split import (
     EXTERNAL_FOLDER_KEY,
@@ -419,7 +419,8 @@ class OnnxRuntimeBackend:
         new K/V land at [past, past + T) of each row (a tree's nodes at their scratch indices, as above)."""
         g = self.tgraph
         N = slots.numel()
-        total = int(past_len.max()) + T + self.inplace.pad
+        rows_in = attention_rows(T, self.inplace.pad)  # the operator's rows (a pad row: runtime/row_invariance)
+        total = int(past_len.max()) + rows_in
         rows = contiguous_range(slots)
         # scattered slots: their caches up to the call's end gathered into a buffer of that capacity (the
         # operator needs only capacity >= past + T), the new entries written back below
@@ -429,7 +430,6 @@ class OnnxRuntimeBackend:
             presents = as_presents(caches)
         else:  # the same view objects every call for these rows: bound once (ort_io_binding.BoundSession)
             caches, presents = self._kv_views(rows)
-        rows_in = T + self.inplace.pad  # the operator's rows (a pad row: retrace.runtime.row_invariance)
         feeds.update(seqlens_k=(past_len + (rows_in - 1)).to(torch.int32),
                      query_seqlens=torch.full((N,), rows_in, dtype=torch.int32),
                      total_sequence_length=torch.tensor(total, dtype=torch.int32))

@@ -5,7 +5,8 @@ reproduces `ar` exactly, not only up to near ties.
 Measured on ONNX Runtime 1.32, CPU provider, AVX-512 (docs/quantization.md, "Row invariance"):
 - GroupQueryAttention has a one-token path: a T=1 call's attention output differs in the last bits from
   the same row in any T >= 2 call (widths >= 2 agree bit for bit). The in-place graph therefore gives the
-  operator T + 1 rows (retrace.runtime.kv_inplace `pad_attention`), at the cost of one attention row.
+  operator max(T, 2) rows (retrace.runtime.kv_inplace `pad_attention`): one attention row more for a
+  one-token call, nothing for wider ones (until 2026-12-03 every call got T + 1).
 - float MatMul (MLAS SGEMM) is row-invariant at every M.
 - MatMulNBits with int8 activations (accuracy_level 4): row-invariant at every M for quantization blocks
   <= 32; at blocks >= 64 a one-row kernel (faster: the decode step's) differs from the multi-row one, which

@@ -141,7 +141,8 @@ class TorchBackend:
             for name, what in (("target_step", "target"), ("draft_step", "drafter"),
                                ("slot_target_step", "padded target"), ("slot_draft_step", "padded drafter")):
                 if getattr(self, name) is not None:
-                    setattr(self, name, CompiledStep(getattr(self, name), what, compiler))
+                    setattr(self, name, CompiledStep(getattr(self, name), what, compiler,
+                                                     freeze=self.device.type == "cpu"))
 
     def _steps(self, target: Qwen3Target, drafter: DFlashDrafter | None):
         """-> (the target's step, the drafter's step, drafter cache columns before context position 0: the
