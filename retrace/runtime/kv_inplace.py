@@ -167,8 +167,8 @@ class AttentionPad:
         from onnx import helper
 
         self.end, self.axis = const("inplace_kv_pad_end", [2**62]), const("inplace_kv_pad_axis", [1])
-        self.zero, one, two = const("inplace_kv_pad_zero", [0]), const("inplace_kv_pad_one", [1]), const(
-            "inplace_kv_pad_two", [2])
+        self.zero, self.one = const("inplace_kv_pad_zero", [0]), const("inplace_kv_pad_one", [1])
+        two = const("inplace_kv_pad_two", [2])
         self.T, self.start = "inplace_kv_pad_T", "inplace_kv_pad_start"  # [T], [T - max(2 - T, 0)]
         self.head: list = [
             helper.make_node("Shape", ["input_ids"], [self.T], start=1, end=2),
@@ -176,7 +176,6 @@ class AttentionPad:
             helper.make_node("Max", ["inplace_kv_pad_short", self.zero], ["inplace_kv_pad_n"]),  # pad rows: 1 or 0
             helper.make_node("Sub", [self.T, "inplace_kv_pad_n"], [self.start]),
         ]
-        self.one = one
         self._positions: str | None = None
 
     def _tail(self, x: str, y: str):
