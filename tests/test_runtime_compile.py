@@ -68,7 +68,7 @@ def test_padded_static_steps_compile_without_graph_break(tmp_path):
 
 def test_inductor_frozen_steps_are_token_exact(tmp_path):
     """`--compile` on the CPU as users run it: inductor's generated C++ with freezing (the weights prepacked as
-    constants, runtime/compiled_step.py), plain decoding and retrace at batch 2 equal transformers' greedy."""
+    constants, runtime/compiled_step.py), plain decoding and retrace at batch 2 and 1 equal transformers' greedy."""
     target, drafter = write_pair(tmp_path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48,
                                  block_size=4, conditioner="random", seed=5)
     prompts = [[5, 9, 2, 40, 41], [7, 3]]
@@ -81,4 +81,12 @@ def test_inductor_frozen_steps_are_token_exact(tmp_path):
     for mode in ("ar", "retrace"):
         out = [r.token_ids for r in rt.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True), mode)]
         assert out == want, mode
+    # batch 1: a one-token decode runs as two identical rows (TwoRowDecode), never as a one-row graph
+    widths, inner = [], be.target_step.compiled
+    be.target_step.compiled = lambda ids, *a: (widths.append(tuple(ids.shape)), inner(ids, *a))[1]
+    for mode in ("ar", "retrace"):
+        for prompt, expected in zip(prompts, want, strict=True):
+            got = rt.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True), mode)[0].token_ids
+            assert got == expected, (mode, prompt)
+    assert (1, 2) in widths and (1, 1) not in widths
     assert not be.target_step.fallback and not be.draft_step.fallback

@@ -26,7 +26,7 @@ from retrace.models.cached_step import RopeTable, draft_step, slot_draft_step, s
 from retrace.models.drafter import DFlashDrafter, SuffixInputs, load_pair
 from retrace.models.target import Qwen3Target
 from retrace.runtime.backend import contiguous_range
-from retrace.runtime.compiled_step import CompiledStep
+from retrace.runtime.compiled_step import CompiledStep, TwoRowDecode
 from retrace.runtime.cuda_graphs import CUDAGraphSteps, steps_runner
 from retrace.runtime.device import host_values, resolve_device, resolve_dtype
 from retrace.runtime.step_buckets import SCRATCH_COLUMNS, Bucket, batch_bucket, pad_draft, pad_target, verify_width
@@ -141,8 +141,8 @@ class TorchBackend:
             for name, what in (("target_step", "target"), ("draft_step", "drafter"),
                                ("slot_target_step", "padded target"), ("slot_draft_step", "padded drafter")):
                 if getattr(self, name) is not None:
-                    setattr(self, name, CompiledStep(getattr(self, name), what, compiler,
-                                                     freeze=self.device.type == "cpu"))
+                    kind = TwoRowDecode if name == "target_step" and self.device.type == "cpu" else CompiledStep
+                    setattr(self, name, kind(getattr(self, name), what, compiler, freeze=self.device.type == "cpu"))
 
     def _steps(self, target: Qwen3Target, drafter: DFlashDrafter | None):
         """-> (the target's step, the drafter's step, drafter cache columns before context position 0: the
