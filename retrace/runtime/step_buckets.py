@@ -9,7 +9,7 @@ one per (batch, verify width, past length). Every call of the static-shape path 
   or a tree); wider calls (prefill) run unpadded, eagerly;
 - the drafter's context C: up to the block size B (a round's context is 1 + accepted <= B; more after
   rounds without a draft or at the first call, which run unpadded);
-- the attention window: `window_width`'s power-of-two buckets.
+- the attention window: `window_width`'s power-of-two buckets (the backend's `window_step` None).
 Padded columns write their K/V to scratch columns past max_seq_len (beyond every window, so no real row
 reads them), at positions of their own row (finite values: their outputs are dropped). Pure tensors here;
 runtime/cuda_graphs.py captures one graph per bucket.

@@ -1,7 +1,8 @@
 """The torch backend: the models of `retrace.models` over preallocated per-slot K/V caches, on any device.
 
 The caches are static (models/cached_step.py, docs/static-cache.md): a call writes the new K/V into them
-in place and attends over a window of `window_width` columns, a power-of-two bucket of the longest past.
+in place and attends over a window of `window_width` columns of the longest past: a power-of-two bucket
+where the shapes are captured (static shapes, CUDA graphs), the next multiple of WINDOW_STEP otherwise.
 Tensors in and out live on `device` (the models' device); index inputs the loop built with
 `device.index_tensor` carry their host values, so the window and whether the slots are one range are read
 on the host, never from the device. bfloat16 / float16 / float32 weights: `from_dirs(dtype=...)`.
@@ -75,12 +76,18 @@ class KVCache:
 
 
 MIN_WIDTH = 64  # the narrowest attention window (columns of the cache) a step attends over
+# the eager and torch.compile'd (dynamic-shape) steps' window granularity: a power-of-two window reads up to
+# twice the K/V the past needs (0.6B width, 4 layers, compiled, one thread, past 1500: 37.8 ms per call over
+# 2048 columns against 24.7 over 1536; no extra recompile: docs/static-cache.md)
+WINDOW_STEP = 64
 
 
-def window_width(need: int, length: int) -> int:
-    """The cache columns a call attends over: the next power of two >= need (at least MIN_WIDTH), at most
-    `length`. A handful of widths, whatever the past: the step's shapes do not follow every token."""
-    return min(length, max(MIN_WIDTH, 1 << (need - 1).bit_length()))
+def window_width(need: int, length: int, step: int | None = None) -> int:
+    """The cache columns a call attends over, at least MIN_WIDTH and at most `length`: the next power of two
+    >= need (step None: a handful of widths whatever the past, one captured graph each), or the next
+    multiple of `step`."""
+    wide = 1 << (need - 1).bit_length() if step is None else -(-need // step) * step
+    return min(length, max(MIN_WIDTH, wide))
 
 
 class TorchBackend:
@@ -116,6 +123,7 @@ class TorchBackend:
             raise RetraceError(f"{type(self).__name__} has no padded steps (no static shapes, no CUDA graphs)")
         self.runner = steps_runner(self.device, cuda_graphs if self.padded_steps else False)
         self.static_shapes = isinstance(self.runner, CUDAGraphSteps) if static_shapes is None else static_shapes
+        self.window_step = None if self.static_shapes else WINDOW_STEP  # buckets of captured shapes: powers of two
         # static shapes: one scratch slot (row max_batch) for padded rows, scratch columns for padded columns
         slots, extra = (max_batch + 1, SCRATCH_COLUMNS) if self.static_shapes else (max_batch, 0)
         with self.device:
@@ -188,7 +196,7 @@ class TorchBackend:
     @torch.inference_mode()
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         T = input_ids.shape[1]
-        width = window_width(max(row[0] for row in host_values(positions)) + T, self.max_seq_len)
+        width = window_width(max(row[0] for row in host_values(positions)) + T, self.max_seq_len, self.window_step)
         padded = verify_width(T) if self.static_shapes else None
         if padded is not None:
             return self._padded_target(width, padded, slots, input_ids, positions, logits_index, tree_mask)
@@ -223,7 +231,7 @@ class TorchBackend:
     @torch.inference_mode()
     def draft(self, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix: SuffixInputs | None):
         width = self.block_scratch + window_width(max(max(row) for row in host_values(ctx_positions)) + 1,
-                                                  self.max_seq_len)
+                                                  self.max_seq_len, self.window_step)
         if self.static_shapes and ctx_taps.shape[1] <= block_ids.shape[1]:
             return self._padded_draft(width, slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix)
         kw, vw, is_view = self.dcache.window(slots, width)
