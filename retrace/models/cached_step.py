@@ -1,13 +1,13 @@
 """The target's and the drafter's steps over a static K/V cache written in place (the torch backend's path).
 
 `Qwen3Target.forward` / `DFlashDrafter.forward` (training, the ONNX export) take the past as tensors and
-return the new K/V. These steps instead take, per layer, a window of the per-slot cache, [N, Hkv, W, hd]
-(a view of the preallocated cache for a contiguous slot range: nothing is copied): each layer writes the
-new tokens' K/V into it at their absolute positions (`scatter_`, in place) and attends over the whole
-window under a boolean mask built on the device from the positions. W is the caller's choice (a bucket of
-max_seq_len), so a step's shapes do not depend on the past length. RoPE comes from a table precomputed for
-every position (`RopeTable`: the same values `layers.rope_cos_sin` computes, bit for bit); the target's
-LM head runs on the `logits_index` rows only, in the model's dtype.
+return the new K/V. These steps instead take, per layer, the cache rows of the call's slots, [N, Hkv, L, hd]
+(a view of the preallocated cache for a contiguous slot range: nothing is copied) and a window width W:
+each layer writes the new tokens' K/V into the rows at their absolute positions (an index write, in place)
+and attends over columns [0, W) under a boolean mask built on the device from the positions. W is the
+caller's choice (a bucket of max_seq_len), so a step's shapes do not follow every token. RoPE comes from a
+table precomputed for every position (`RopeTable`: the same values `layers.rope_cos_sin` computes, bit for
+bit); the target's LM head runs on the `logits_index` rows only, in the model's dtype.
 
 Window layouts (see docs/INTERFACES.md for the cache invariant both keep):
 - target: column j = position j. A chain's query at position p sees columns <= p (the past and the new
@@ -38,27 +38,25 @@ class RopeTable:
         return self.cos[positions], self.sin[positions]
 
 
-def write_at(window: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> None:
-    """Write new [N, Hkv, T, hd] at columns index [N, T] of window [N, Hkv, W, hd], in place."""
-    n, h, _, d = new.shape
-    window.scatter_(2, index[:, None, :, None].expand(n, h, -1, d), new.to(window.dtype))
-
-
 class ViewWindows:
-    """K/V access of a call over window views: the new K/V (and the drafter's context) are `write_at` into
-    the windows, which are then attended over whole."""
+    """K/V access of a call over the caches of its rows, [N, Hkv, L, hd] per layer (a contiguous slot range's
+    rows of the cache, a view; or gathered copies): the new K/V (and the drafter's context) are written at
+    their columns (an index write into the rows, in place), then columns [0, width) are attended over (a
+    view). The rows are passed whole, not as a [:, :, :width] view: under torch.compile a write into a
+    window view (not one piece of memory) made inductor copy the whole window back per call (0.6B width,
+    1088 columns: ~2 ms per layer against ~0.5 ms for the write and the attention; docs/static-cache.md)."""
 
-    def __init__(self, k_window: list[torch.Tensor], v_window: list[torch.Tensor], index: torch.Tensor,
+    def __init__(self, k_rows: list[torch.Tensor], v_rows: list[torch.Tensor], index: torch.Tensor, width: int,
                  ctx_index: torch.Tensor | None = None):
-        self.k, self.v, self.index, self.ctx_index = k_window, v_window, index, ctx_index
+        self.k, self.v, self.index, self.width, self.ctx_index = k_rows, v_rows, index, width, ctx_index
 
     def __call__(self, i: int, k, v, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
-        if ctx is not None:
-            write_at(self.k[i], self.ctx_index, ctx[0])
-            write_at(self.v[i], self.ctx_index, ctx[1])
-        write_at(self.k[i], self.index, k)
-        write_at(self.v[i], self.index, v)
-        return self.k[i], self.v[i]
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        for cache, new, ctx_new in ((self.k[i], k, ctx and ctx[0]), (self.v[i], v, ctx and ctx[1])):
+            if ctx_new is not None:
+                cache[rows, :, self.ctx_index] = ctx_new.transpose(1, 2).to(cache.dtype)
+            cache[rows, :, self.index] = new.transpose(1, 2).to(cache.dtype)  # [N, T, Hkv, hd] at (row, col)
+        return self.k[i].narrow(2, 0, self.width), self.v[i].narrow(2, 0, self.width)
 
 
 class SlotWindows:
@@ -111,11 +109,13 @@ def target_mask(positions: torch.Tensor, width: int,
 
 def target_step(target, rope: RopeTable, input_ids: torch.Tensor, positions: torch.Tensor,
                 k_window: list[torch.Tensor], v_window: list[torch.Tensor], logits_index: torch.Tensor,
-                tree_mask: torch.Tensor | None = None):
+                tree_mask: torch.Tensor | None = None, width: int | None = None):
     """-> (logits [N, K, V] in the model's dtype at logits_index, taps [N, T, len(tap_layers) * d]); the new
-    K/V are in the windows (columns as the module docstring says)."""
-    mask, index = target_mask(positions, k_window[0].shape[2], tree_mask)
-    return _target_layers(target, rope, input_ids, positions, ViewWindows(k_window, v_window, index), mask,
+    K/V are in the windows (columns as the module docstring says): the rows' caches [N, Hkv, L, hd], of which
+    columns [0, width) are attended over (width None: all L)."""
+    width = k_window[0].shape[2] if width is None else width
+    mask, index = target_mask(positions, width, tree_mask)
+    return _target_layers(target, rope, input_ids, positions, ViewWindows(k_window, v_window, index, width), mask,
                           logits_index)
 
 
@@ -161,15 +161,17 @@ def lm_head_rows(target, h: torch.Tensor) -> torch.Tensor:
 
 def draft_step(drafter, rope: RopeTable, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor,
                k_window: list[torch.Tensor], v_window: list[torch.Tensor], block_ids: torch.Tensor,
-               block_positions: torch.Tensor, offset: int, suffix=None):
+               block_positions: torch.Tensor, offset: int, suffix=None, width: int | None = None):
     """-> (hidden [N, B, d] after the final norm, logits [N, B-1, Vd] for slots 1..B-1, over the drafter's draft
     vocabulary when it has one (Vd = V without; runtime/draft_space.py); the context
-    K/V are in the windows at columns offset + ctx_positions (offset >= B; see the module docstring)."""
+    K/V are in the windows at columns offset + ctx_positions (offset >= B; see the module docstring); columns
+    [0, width) attended over (None: all)."""
     N, B = block_ids.shape
-    kv = ViewWindows(k_window, v_window, torch.arange(B, device=block_ids.device).expand(N, B),
+    width = k_window[0].shape[2] if width is None else width
+    kv = ViewWindows(k_window, v_window, torch.arange(B, device=block_ids.device).expand(N, B), width,
                      ctx_positions + offset)
-    return _draft_layers(drafter, rope, ctx_taps, ctx_positions, kv, k_window[0].shape[2], block_ids,
-                         block_positions, offset, suffix)
+    return _draft_layers(drafter, rope, ctx_taps, ctx_positions, kv, width, block_ids, block_positions, offset,
+                         suffix)
 
 
 def slot_draft_step(drafter, rope: RopeTable, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],

@@ -2,8 +2,10 @@
 
 The target's step and the drafter's block step (models/cached_step.py) are compiled with `fullgraph=True`
 (a graph break is an error, never a silent fallback to Python) and dynamic shapes (the batch, the verify
-width, the drafter's context length and the cache window, a power-of-two bucket, vary: one graph serves
-them). The steps write the caches in place (`scatter_` into views of them), which inductor keeps in place.
+width, the drafter's context length and the cache window, a bucket of the past, vary: one graph serves
+them). The steps write the caches in place: an index write into the slots' rows, passed whole, which
+inductor keeps in place (a write into a narrower window view was copied back whole per call: models/
+cached_step.py).
 If the compiler itself fails (no C++ toolchain, an unsupported op on this build), the step falls back to
 eager once, with a warning, and stays eager.
 
@@ -69,11 +71,11 @@ class TwoRowDecode(CompiledStep):
     row, 54-65 at two, docs/static-cache.md). The second row repeats the token at the same position: both rows
     write the same K/V into the same cache column and see the same columns, so row 0's logits are the call's,
     and the decode shares the graph (and the kernels) of the multi-row calls. Arguments: `target_step`'s after
-    its bound ones (input_ids, positions, k_window, v_window, logits_index, tree_mask)."""
+    its bound ones (input_ids, positions, k_window, v_window, logits_index, tree_mask, width)."""
 
-    def _run(self, input_ids, positions, k_window, v_window, logits_index, tree_mask=None):
+    def _run(self, input_ids, positions, k_window, v_window, logits_index, tree_mask=None, width=None):
         if not self.freeze or input_ids.shape != (1, 1) or tree_mask is not None:
-            return super()._run(input_ids, positions, k_window, v_window, logits_index, tree_mask)
+            return super()._run(input_ids, positions, k_window, v_window, logits_index, tree_mask, width)
         logits, taps = super()._run(input_ids.repeat(1, 2), positions.repeat(1, 2), k_window, v_window,
-                                    logits_index, None)
+                                    logits_index, None, width)
         return logits, taps[:, :1]

@@ -48,11 +48,12 @@ class KVCache:
         return [k[slots, :, :length] for k in self.k], [v[slots, :, :length] for v in self.v]
 
     def window(self, slots: torch.Tensor, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
-        """Per layer, columns [0, width) of the slots' rows, to be written in place -> (k, v, is_view). For a
-        contiguous slot range these are views of the cache; otherwise gathered copies (`write_back` them)."""
+        """Per layer, the slots' rows to be written in place, of which the step attends over columns [0, width)
+        -> (k, v, is_view). For a contiguous slot range the rows of the cache, whole (views); otherwise gathered
+        copies of their columns [0, width) (`write_back` them)."""
         rows = contiguous_range(slots)
         if rows is not None:
-            return [k[rows, :, :width] for k in self.k], [v[rows, :, :width] for v in self.v], True
+            return [k[rows] for k in self.k], [v[rows] for v in self.v], True
         return [k[slots, :, :width] for k in self.k], [v[slots, :, :width] for v in self.v], False
 
     def write_back(self, slots: torch.Tensor, index: torch.Tensor, k_window: list[torch.Tensor],
@@ -204,7 +205,8 @@ class TorchBackend:
         slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
                                                                                logits_index, tree_mask)
         with self._autocast():
-            logits, taps = self.target_step(input_ids, positions, kw, vw, logits_index.contiguous(), tree_mask)
+            logits, taps = self.target_step(input_ids, positions, kw, vw, logits_index.contiguous(), tree_mask,
+                                            width)
         if not is_view:  # node m of a tree sits at the scratch column positions[:, 0] + m (see commit_path)
             written = positions if tree_mask is None else positions[:, :1] + torch.arange(T, device=self.device)
             self.tcache.write_back(slots, written, kw, vw)
@@ -241,7 +243,7 @@ class TorchBackend:
         suffix = self._suffix_on_device(suffix, dt)
         with self._autocast():
             hidden, logits = self.draft_step(ctx_taps.to(dt), ctx_positions, kw, vw, block_ids, block_positions,
-                                             self.block_scratch, suffix)
+                                             self.block_scratch, suffix, width)
         if not is_view:
             self.dcache.write_back(slots, ctx_positions + self.block_scratch, kw, vw)
         return hidden.float(), logits.float()
