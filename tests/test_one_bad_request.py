@@ -77,9 +77,10 @@ def test_engine_unsampleable_row_fails_alone(world, after):
     engine.sched.step = lambda: (time.sleep(0.02), step())[1]  # the four overlap
     engine.start()
     try:
-        hs = [engine.submit(prompts[0], GREEDY), engine.submit(prompts[1], GREEDY)]
-        bad = engine.submit(words([MARKER, 7, 9]), SamplingParams(max_new_tokens=30, temperature=0.8, seed=1))
-        hs.append(engine.submit(prompts[2], SAMPLED, mode="ar"))
+        with engine._cv:  # the engine thread takes the four in one batch (no timing race with its first round)
+            hs = [engine.submit(prompts[0], GREEDY), engine.submit(prompts[1], GREEDY)]
+            bad = engine.submit(words([MARKER, 7, 9]), SamplingParams(max_new_tokens=30, temperature=0.8, seed=1))
+            hs.append(engine.submit(prompts[2], SAMPLED, mode="ar"))
         with pytest.raises(RequestRejected, match="cannot be sampled .*temperature 0.8"):
             bad.result(60)
         got = [h.result(60) for h in hs]
