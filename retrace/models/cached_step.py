@@ -38,6 +38,16 @@ class RopeTable:
         return self.cos[positions], self.sin[positions]
 
 
+def write_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, k, v,
+               ctx_index: torch.Tensor | None = None, ctx=None) -> None:
+    """One layer's new K/V [N, Hkv, T, hd] (and ctx = (k, v) of the drafter's context, at ctx_index) written
+    into the caches at (rows [N, 1], columns index [N, T]), in place: one index write per tensor."""
+    for cache, new, ctx_new in ((k_cache, k, ctx and ctx[0]), (v_cache, v, ctx and ctx[1])):
+        if ctx_new is not None:
+            cache[rows, :, ctx_index] = ctx_new.transpose(1, 2).to(cache.dtype)
+        cache[rows, :, index] = new.transpose(1, 2).to(cache.dtype)  # [N, T, Hkv, hd] at (row, col)
+
+
 class ViewWindows:
     """K/V access of a call over the caches of its rows, [N, Hkv, L, hd] per layer (a contiguous slot range's
     rows of the cache, a view; or gathered copies): the new K/V (and the drafter's context) are written at
@@ -52,10 +62,7 @@ class ViewWindows:
 
     def __call__(self, i: int, k, v, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        for cache, new, ctx_new in ((self.k[i], k, ctx and ctx[0]), (self.v[i], v, ctx and ctx[1])):
-            if ctx_new is not None:
-                cache[rows, :, self.ctx_index] = ctx_new.transpose(1, 2).to(cache.dtype)
-            cache[rows, :, self.index] = new.transpose(1, 2).to(cache.dtype)  # [N, T, Hkv, hd] at (row, col)
+        write_rows(self.k[i], self.v[i], rows, self.index, k, v, self.ctx_index, ctx)
         return self.k[i].narrow(2, 0, self.width), self.v[i].narrow(2, 0, self.width)
 
 
@@ -72,11 +79,7 @@ class SlotWindows:
         self.index, self.ctx_index = index, ctx_index
 
     def __call__(self, i: int, k, v, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.slots[:, None]
-        for cache, new, ctx_new in ((self.k[i], k, ctx and ctx[0]), (self.v[i], v, ctx and ctx[1])):
-            if ctx_new is not None:
-                cache[rows, :, self.ctx_index] = ctx_new.transpose(1, 2).to(cache.dtype)
-            cache[rows, :, self.index] = new.transpose(1, 2).to(cache.dtype)  # [N, T, Hkv, hd] at (slot, col)
+        write_rows(self.k[i], self.v[i], self.slots[:, None], self.index, k, v, self.ctx_index, ctx)
         return (torch.index_select(self.k[i][:, :, :self.width], 0, self.slots),
                 torch.index_select(self.v[i][:, :, :self.width], 0, self.slots))
 

@@ -62,7 +62,6 @@ class CompiledStep:
             cfg.freezing = old
 
 
-
 class TwoRowDecode(CompiledStep):
     """The compiled target step (CPU, frozen) whose one-token, one-row calls run as two identical rows.
 

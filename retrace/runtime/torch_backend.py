@@ -150,7 +150,7 @@ class TorchBackend:
             for name, what in (("target_step", "target"), ("draft_step", "drafter"),
                                ("slot_target_step", "padded target"), ("slot_draft_step", "padded drafter")):
                 if getattr(self, name) is not None:
-                    kind = TwoRowDecode if name == "target_step" and self.device.type == "cpu" else CompiledStep
+                    kind = TwoRowDecode if name == "target_step" else CompiledStep  # pads only when frozen (CPU)
                     setattr(self, name, kind(getattr(self, name), what, compiler, freeze=self.device.type == "cpu"))
 
     def _steps(self, target: Qwen3Target, drafter: DFlashDrafter | None):
