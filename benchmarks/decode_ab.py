@@ -11,8 +11,8 @@ call by call interleaved (A B C, B C A, ...), so that a loaded machine slows eac
 `--rss`: instead, each system alone in a process of its own (load, 3 + 20 steps): its peak RSS (ru_maxrss).
 Prints, per system, the min, the 10th percentile and the median of its step times (ms), and the median
 process CPU time per step (all threads; less sensitive to other load than wall time, but it counts
-spinning: onnxruntime-genai's sessions spin, ours do not unless --spinning 1). Ours: one
-OnnxRuntimeBackend.target call of one new token per row over random caches; onnxruntime-genai:
+spinning: onnxruntime-genai's sessions spin unboundedly, ours for at most RETRACE_ORT_SPIN_US between
+kernels). Ours: one OnnxRuntimeBackend.target call of one new token per row over random caches; onnxruntime-genai:
 generate_next_token after a random prompt of --context tokens; llama.cpp (llama-cpp-python, batch 1 only):
 Llama.eval of one token after a prompt of --context tokens, the last token's logits.
 """
@@ -48,7 +48,7 @@ def _unfolded(fold: bool):
 def _rss(args) -> int:
     """Each system alone in its own process: peak RSS after load and 23 steps."""
     common = ["--threads", str(args.threads), "--context", str(args.context), "--batch", str(args.batch),
-              "--calls", "20", "--spinning", str(args.spinning)]
+              "--calls", "20", *([] if args.spinning is None else ["--spinning", str(args.spinning)])]
     for flag, specs in (("--bundle", args.bundle), ("--genai", args.genai), ("--gguf", args.gguf)):
         for spec in specs:
             out = subprocess.run([sys.executable, __file__, flag, spec, *common], capture_output=True, text=True,
@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--spinning", type=int, default=0, help="our sessions' session.intra_op.allow_spinning")
+    ap.add_argument("--spinning", type=int, default=None,
+                    help="our sessions' session.intra_op.allow_spinning (default: the runtime's, ort_spinning.py)")
     ap.add_argument("--rss", action="store_true", help="peak RSS of each system alone in its own process")
     args = ap.parse_args(argv)
     if args.rss:
@@ -82,7 +83,8 @@ def main(argv=None) -> int:
     for spec in args.bundle:
         name, d = spec.split("=", 1)
         d, *opts = d.split("@")
-        options = {"session.intra_op.allow_spinning": str(args.spinning)} | dict(o.split("=", 1) for o in opts)
+        spin = {} if args.spinning is None else {"session.intra_op.allow_spinning": str(args.spinning)}
+        options = spin | dict(o.split("=", 1) for o in opts)
         kw = {k: options.pop(k) not in ("0", "false") for k in BACKEND_KEYS & set(options)}
         with _unfolded(kw.pop("fold_layout", True)):
             be = OnnxRuntimeBackend.from_bundle(d, max_batch=n, threads=args.threads, verify=False,

@@ -5,8 +5,8 @@ ONNX Runtime's own profiler (SessionOptions.enable_profiling) at the same thread
     python benchmarks/op_profile.py --bundle NAME=B-int4[@row_invariant=0] [--genai GENAI_MODEL_DIR] [--threads 2]
         [--context 128] [--steps 16] [--batch 1] [--spinning 0|1] [--json F]
 
---spinning sets our sessions' session.intra_op.allow_spinning; onnxruntime-genai keeps ONNX Runtime's default
-(spinning on: its config has no key for it).
+--spinning sets our sessions' session.intra_op.allow_spinning (default: the runtime's bounded spinning);
+onnxruntime-genai keeps ONNX Runtime's default (spinning on: its config has no key for it).
 
 Each system runs in its own process; only the kernels of the last `--steps` runs are counted, per run.
 """
@@ -61,7 +61,7 @@ def _ours(bundle: str, args, out_dir: str) -> dict:
         return so
 
     ob._session_options = profiled
-    entries = {"session.intra_op.allow_spinning": str(args.spinning)}
+    entries = {} if args.spinning is None else {"session.intra_op.allow_spinning": str(args.spinning)}
     bundle, _, option = bundle.partition("@")  # DIR@row_invariant=0: retrace.runtime.row_invariance off
     be = ob.OnnxRuntimeBackend.from_bundle(bundle, max_batch=args.batch, threads=args.threads, verify=False,
                                            max_seq_len=args.context + 64, session_options=entries,
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--spinning", type=int, default=0)
+    ap.add_argument("--spinning", type=int, default=None, help="default: the runtime's (ort_spinning.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")

@@ -69,6 +69,7 @@ from retrace.runtime.ort_io_binding import (
     session_device,
     torch_dtype,
 )
+from retrace.runtime.ort_spinning import spinning_entries
 from retrace.runtime.row_invariance import SPARE, RowWidths, nbits_rule, pad_tree_mask, stricter
 from retrace.runtime.shared_weights import SharedWeights, map_initializer
 
@@ -551,15 +552,7 @@ def _session_options(threads: int | None, entries: dict | None):
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
-    # No busy-waiting between calls by default: the loop's own torch work runs between ORT calls on the
-    # same cores, and spinning ORT workers stole it (measured: retrace "other" time 2.7x, docs/bench/decode-context.md).
-    # RETRACE_ORT_SPINNING=1 turns it back on (measured at the Qwen3-0.6B shape, 2 cores: the loop then ran
-    # 1.6x slower at batch 1 and 1.3x at batch 4, although a lone target call got ~10% faster).
-    spin = os.environ.get("RETRACE_ORT_SPINNING", "0").strip().lower() in ("1", "true", "yes")
-    # With spinning on, the workers stop spinning when a run returns (session.force_spinning_stop), so that the
-    # loop's work between two runs is not starved by them.
-    spinning = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"} if spin else \
-        {"session.intra_op.allow_spinning": "0"}
+    spinning = spinning_entries()  # bounded spinning, stopped when a run returns (runtime/ort_spinning.py)
     for k, v in {**spinning, **(entries or {})}.items():
         so.add_session_config_entry(k, str(v))
     return so
