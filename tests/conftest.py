@@ -8,6 +8,9 @@ import os
 
 # Threads that wait passively: with torch's default busy-waiting, a loaded 2-core machine runs 4-6x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the suite runs two workers on two cores: ONNX Runtime workers block between kernels (spinning pays on a core
+# of its own, not on an oversubscribed one; runtime/ort_spinning.py)
+os.environ.setdefault("RETRACE_ORT_SPINNING", "0")
 
 import pytest  # noqa: E402
 from helpers import TinyPair, write_drafter, write_target

@@ -35,6 +35,7 @@ def test_sessions_carry_the_policy_and_accept_it(monkeypatch, tmp_path):
 
     from retrace.runtime.onnxruntime_backend import _session_options
 
+    monkeypatch.delenv("RETRACE_ORT_SPINNING", raising=False)  # the suite blocks by default (conftest)
     monkeypatch.setenv("RETRACE_ORT_SPIN_US", "75")
     so = _session_options(2, None)
     assert so.get_session_config_entry("session.intra_op.spin_duration_us") == "75"
