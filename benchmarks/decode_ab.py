@@ -26,7 +26,9 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 BACKEND_KEYS = {"lm_head_session", "fold_layout", "row_invariant"}
 
@@ -97,8 +99,14 @@ def main(argv=None) -> int:
     for spec in args.genai:
         import onnxruntime_genai as og
 
+        from retrace.bench.builds import genai_run_copy
+
         name, d = spec.split("=", 1)
-        model = og.Model(d)
+        # at --threads, whatever the directory's own config says (a builder's base config leaves ONNX
+        # Runtime's default: one thread per physical core)
+        run_dir = tempfile.TemporaryDirectory(prefix="genai-ab-")  # removed when the process ends
+        model = og.Model(str(genai_run_copy(Path(d), Path(run_dir.name), args.threads)))
+        gens.append(run_dir)
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=c + args.calls + 8, do_sample=False, batch_size=n)
         gen = og.Generator(model, params)

@@ -138,6 +138,16 @@ def _run_config(cfg: dict, threads: int) -> dict:
     return cfg
 
 
+def genai_run_copy(model_dir: Path, into: Path, threads: int) -> Path:
+    """`into` (an empty folder): model_dir's files hard-linked (copied across file systems), its
+    genai_config.json rewritten to run at `threads` intra-op threads with EOS disabled (_run_config)."""
+    _link_files(model_dir, into)
+    (into / "genai_config.json").unlink()
+    cfg = _run_config(json.loads((model_dir / "genai_config.json").read_text()), threads)
+    (into / "genai_config.json").write_text(json.dumps(cfg, indent=4) + "\n")
+    return into
+
+
 def build_genai_model(target_dir: str | Path, cache_dir: str | Path, threads: int,
                       precision: str = "fp32") -> tuple[Path, dict]:
     """onnxruntime-genai model of the target (fp32, cpu), built once per target content and genai version,
@@ -151,11 +161,7 @@ def build_genai_model(target_dir: str | Path, cache_dir: str | Path, threads: in
     base, info = genai_export(target_dir, root, precision=precision)
     run_dir = root / f"threads{threads}"
     if not (run_dir / "genai_config.json").is_file():
-        tmp = Path(tempfile.mkdtemp(prefix="cfg-", dir=root))
-        _link_files(base, tmp)
-        (tmp / "genai_config.json").unlink()
-        cfg = _run_config(json.loads((base / "genai_config.json").read_text()), threads)
-        (tmp / "genai_config.json").write_text(json.dumps(cfg, indent=4) + "\n")
+        tmp = genai_run_copy(base, Path(tempfile.mkdtemp(prefix="cfg-", dir=root)), threads)
         if run_dir.exists():
             shutil.rmtree(run_dir)
         tmp.rename(run_dir)
