@@ -1,5 +1,6 @@
 """The ONNX Runtime workers' wait policy: bounded spinning, stopped after each run, by default."""
 
+import numpy as np
 import pytest
 
 from retrace.errors import RetraceError
@@ -46,8 +47,6 @@ def test_sessions_carry_the_policy_and_accept_it(monkeypatch, tmp_path):
                               opset_imports=[helper.make_opsetid("", 17)])
     path = tmp_path / "relu.onnx"
     onnx.save(model, str(path))
-    import numpy as np
-
     out = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(
         None, {"x": np.array([-1, 2, -3, 4], dtype=np.float32)})[0]
     assert out.tolist() == [0, 2, 0, 4]

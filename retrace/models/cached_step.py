@@ -59,10 +59,10 @@ class ViewWindows:
     def __init__(self, k_rows: list[torch.Tensor], v_rows: list[torch.Tensor], index: torch.Tensor, width: int,
                  ctx_index: torch.Tensor | None = None):
         self.k, self.v, self.index, self.width, self.ctx_index = k_rows, v_rows, index, width, ctx_index
+        self.rows = torch.arange(index.shape[0], device=index.device)[:, None]  # [N, 1], once for every layer
 
     def __call__(self, i: int, k, v, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        write_rows(self.k[i], self.v[i], rows, self.index, k, v, self.ctx_index, ctx)
+        write_rows(self.k[i], self.v[i], self.rows, self.index, k, v, self.ctx_index, ctx)
         return self.k[i].narrow(2, 0, self.width), self.v[i].narrow(2, 0, self.width)
 
 
