@@ -45,7 +45,7 @@ from retrace.runtime.proposers import (
     ProposerPlan,
     RoundBatch,
 )
-from retrace.runtime.proposers.context import extend_context
+from retrace.runtime.proposers.context import extend_context, start_context
 from retrace.runtime.round_outcome import PolicyObserver, TimingObserver
 from retrace.runtime.sampling import SamplingParams, argmax, flag_errors, pending_flags, row_probs
 from retrace.runtime.stats import AcceptStats, Timing
@@ -251,7 +251,7 @@ class Scheduler:
             flag_errors(reqs, bad)
         self.timing.prefill += time.perf_counter() - t0
         for i, (r, first) in enumerate(zip(reqs, firsts, strict=True)):
-            r.ctx_taps, r.ctx_parts, r.ctx_parts_len, r.ctx_pos0 = taps[i, : len(r.prompt_ids)], [], 0, 0
+            start_context(r, taps[i, : len(r.prompt_ids)])
             r.anchor, r.anchor_pos = first, len(r.prompt_ids)
             self._commit(r, [first], events)
 

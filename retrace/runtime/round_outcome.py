@@ -55,8 +55,7 @@ class RoundOutcome:
         (complete by now) become seconds."""
         N, reqs = self.batch.rows, self.batch.reqs
         judged = self.judged if self.judged is not None else self.accepted  # no drafts: accepted is 0 too
-        cols = [self.accepted.view(N, 1), self.bonus.view(N, 1), judged.view(N, 1),
-                self.tokens.view(N, self.tokens.shape[1])]
+        cols = [torch.stack([self.accepted, self.bonus, judged], 1), self.tokens.view(N, self.tokens.shape[1])]
         flags = pending_flags(reqs, self.accepted.device)  # sampling rows: whose distribution was no distribution
         if flags is not None:
             cols.append(flags.view(N, 1))

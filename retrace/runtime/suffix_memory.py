@@ -99,12 +99,16 @@ def kept_features(block_tokens: torch.Tensor, verify_logits: torch.Tensor, draft
     at = corr if start == 0 else (corr - start).clamp_min(0)
     feats = [(target_argmax.gather(1, corr) == tok).float()]
     dtok = tok if space is None or space.full else space.index_of(tok)
-    for logits, t in ((verify_logits, tok), (draft_logits, dtok)):
-        probs = (logits[:, start: rows.stop] if N == 1 else logits).float().softmax(-1)
-        feats.append(probs.view(N, -1).gather(1, at * logits.shape[-1] + t.clamp_min(0)))
+    for logits, t in ((verify_logits, tok), (draft_logits, dtok if dtok is tok else dtok.clamp_min(0))):
+        probs = _fp32(logits[:, start: rows.stop] if N == 1 else logits).softmax(-1)
+        feats.append(probs.view(N, -1).gather(1, torch.add(t, at, alpha=logits.shape[-1])))
     if dtok is not tok:
         feats[-1] = torch.where(dtok >= 0, feats[-1], 0.0)
     return torch.stack(feats, -1)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
 
 
 class SuffixMemory:
@@ -129,8 +133,10 @@ class SuffixMemory:
         a = torch.arange(B, device=device).repeat_interleave(B)
         old, valid, corr = align(a, B, torch.arange(B, device=device).repeat(B))
         self._aligned = torch.stack([old, corr], 1)  # [B*B, 2, B]: old slot j, correction index
-        self._on = valid  # [B*B, B] bool
+        self._old = old.unsqueeze(-1)  # [B*B, B, 1]: old slot j, to gather hidden states with
+        self._on = valid.unsqueeze(-1)  # [B*B, B, 1] bool
         self._valid = valid.float()  # [B*B, B]
+        self._keep = valid.unsqueeze(-1).to(dtype)  # [B*B, B, 1] in the memory's dtype
         self._count = valid.sum(1)  # [B*B]
         self._count_host = [max(0, min(k, B - 2) - a) for a in range(B) for k in range(B)]  # the same, on the host
 
@@ -190,18 +196,17 @@ class SuffixMemory:
         host_verified = getattr(verified, "host_values", None)
         key = self._key(accepted, verified, S, host_accepted, host_verified)  # align(accepted, B, that), looked up
         old, corr = self._aligned[key].unbind(1)
-        on, valid = self._on[key], self._valid[key]
         if target_argmax is None:
             target_argmax = verify_logits.argmax(-1)
         scored = self._scored(host_accepted, host_verified, S, K)
-        v = valid.unsqueeze(-1).to(self.memory.dtype)
-        self.memory[rows] = torch.gather(hidden, 1, old.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).to(v.dtype) * v
+        kept = torch.gather(hidden, 1, self._old[key].expand(-1, -1, hidden.shape[-1]))
+        self.memory[rows] = kept * self._keep[key]  # in the memory's dtype
         if scored is None:  # no row keeps a slot
             self.features[rows] = 0
         else:
             feats = kept_features(block_tokens, verify_logits, draft_logits, target_argmax, old, corr, scored, space)
-            self.features[rows] = torch.where(on.unsqueeze(-1), feats, 0)
-        self.valid[rows] = valid
+            self.features[rows] = torch.where(self._on[key], feats, 0)
+        self.valid[rows] = self._valid[key]
         self.corr_index[rows] = corr
         self.count[rows] = self._count[key]
         self.position[rows] = anchor_pos + accepted + 1

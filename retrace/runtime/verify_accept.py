@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from retrace.runtime.device import host_values, index_tensor
-from retrace.runtime.proposers.base import Proposal, RoundBatch, ranges
+from retrace.runtime.proposers.base import Proposal, RoundBatch, every_position, ranges
 from retrace.runtime.round_outcome import RoundOutcome
 from retrace.runtime.sampling import greedy_accept, mask_early_eos, row_probs, speculative_accept
 from retrace.runtime.tree_accept import continue_path, greedy_tree_accept, root_path, sample_tree_accept
@@ -36,7 +36,7 @@ class VerifyAndAccept:
         block = torch.cat([batch.anchor.unsqueeze(1), p.drafts], dim=1)
         logits, taps = self.backend.target(batch.slots, block[:, : K + 1],
                                            index_tensor(ranges(batch.anchor_host, K + 1), dev),
-                                           torch.arange(K + 1, device=dev).expand(N, K + 1))
+                                           every_position(N, K + 1, dev))
         marks = (start, self.clock.mark())
         logits = min_length(logits, batch.reqs, self.eos_ids)
         accepted, bonus, target_argmax = accept_chain(logits, p.drafts[:, :K], p.q, batch.reqs, p.verified)
@@ -49,7 +49,7 @@ class VerifyAndAccept:
         anchor_pos = batch.anchor_pos.unsqueeze(1)
         start = self.clock.mark()
         logits, taps = self.backend.target(batch.slots, tree.tokens, anchor_pos + tree.depth,
-                                           torch.arange(M, device=dev).expand(N, M), tree_mask=tree.ancestor_mask())
+                                           every_position(N, M, dev), tree_mask=tree.ancestor_mask())
         logits = min_length(logits, reqs, self.eos_ids, tree.depth)
         accepted, bonus, node, post = greedy_tree_accept(tree, logits)
         for i, pi in enumerate(row_probs(logits, reqs)):  # sampling rows: the tree walk

@@ -10,6 +10,7 @@ drafter's hidden size, B the block size, Vd the draft space's size (runtime/draf
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -91,3 +92,10 @@ class NoProposer:
 def ranges(starts: list[int], width: int) -> list[list[int]]:
     """[[s, s+1, .., s+width-1] for each start] (host positions for `index_tensor`)."""
     return [list(range(p, p + width)) for p in starts]
+
+
+@functools.lru_cache(maxsize=64)
+def every_position(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """[rows, width] int64, 0..width-1 in each row: a verify's `logits_index` when every position is scored.
+    Built once per shape and device (an expanded view: read-only; backends pad it into new tensors)."""
+    return torch.arange(width, device=device).expand(rows, width)

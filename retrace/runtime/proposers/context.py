@@ -2,7 +2,8 @@
 
 After a prefill the prompt's taps, after a round the verify's taps (the verified chain, or a tree's round
 path), and after rounds without a drafter call all of theirs since the last one: the drafter conditions on
-every committed position exactly once.
+every committed position exactly once. An `ar` request never calls the drafter: it keeps no taps (at the
+Qwen3-0.6B shape they would be 20 KB per token for the request's life, and an op per row per round).
 """
 
 from __future__ import annotations
@@ -13,9 +14,17 @@ from retrace.runtime.device import index_tensor
 from retrace.runtime.proposers.base import ranges
 
 
+def start_context(r, prompt_taps: torch.Tensor) -> None:
+    """After the prefill: the prompt's taps [P, H] are the drafter's first context (an `ar` request: none)."""
+    r.ctx_taps = None if r.mode == "ar" else prompt_taps
+    r.ctx_parts, r.ctx_parts_len, r.ctx_pos0 = [], 0, 0
+
+
 def extend_context(r, taps: torch.Tensor, drafted: bool) -> None:
     """The verify taps of this round become the drafter's next context. A round without a draft call
     gave the drafter nothing: its pending taps (up to the anchor) stay and the new ones follow."""
+    if r.mode == "ar":
+        return
     if drafted:
         r.ctx_parts, r.ctx_pos0 = [], r.anchor_pos
     else:  # the valid part of the last taps: up to the anchor (the parts before it are all valid)
