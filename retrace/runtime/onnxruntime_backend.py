@@ -40,6 +40,8 @@ device (on CUDA for fp16 / bf16 graphs: ONNX Runtime's CUDA GroupQueryAttention 
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from pathlib import Path
 
@@ -95,6 +97,20 @@ def default_providers() -> list[str]:
     return (["CUDAExecutionProvider"] if "CUDAExecutionProvider" in avail else []) + ["CPUExecutionProvider"]
 
 
+def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Zeros that take memory as they are written. On the CPU an anonymous memory map: its pages are the
+    OS's zero page until first written, 4 KiB at a time, so a cache sized for max_seq_len costs what its
+    requests' positions fill, not its whole size at load (torch.zeros writes every page; numpy's zeros asks
+    for huge pages, which one write maps 2 MiB at a time). Elsewhere torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    if not count:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, count * dtype.itemsize)  # the tensor keeps the map alive; unmapped with it
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+
+
 class _Cache:
     """K/V of every layer in ONE preallocated tensor [2L, S, Hkv, max_seq_len, hd] on the session's device
     (index 2i = layer i's keys, 2i+1 its values: the graphs' past/new order), so a call's gather and write
@@ -103,7 +119,7 @@ class _Cache:
 
     def __init__(self, layers: int, slots: int, heads: int, length: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        self.kv = torch.zeros(2 * layers, slots, heads, length, head_dim, dtype=dtype, device=device)
+        self.kv = zeros_on_touch((2 * layers, slots, heads, length, head_dim), dtype, device)
         self.heads, self.head_dim, self.length, self.layers = heads, head_dim, length, layers
         self._staging = torch.empty(0, dtype=dtype, device=device)
 
