@@ -14,7 +14,10 @@ tokens. The adaptive policy (`dflash`, `retrace`) chooses K from the round timin
 replayed runs get the recorded run's timings back from their stopwatch, so they make the same choices.
 Each run starts a fresh scheduler (the adaptive policy learns from nothing, as in the recorded run).
 --clock cpu: the process's CPU time instead of wall time (on a shared machine, the time the loop itself
-ran, not the time it waited for a core). --count-ops: also the torch calls the loop makes per target call
+ran, not the time it waited for a core). --evict MB: each replayed call also writes over MB of memory (counted
+as the forward's time), as a real forward's weights and caches evict the loop's code and data from the CPU
+caches: on the zoo pair (a forward streams ~15 MB) the loop's phases then take what they take in a real run
+(2-3x the warm replay's; 32 MB measured on a 2-core AMD EPYC, docs/gpu-runtime.md). --count-ops: also the torch calls the loop makes per target call
 (a TorchFunctionMode; one extra replayed run, not timed).
 """
 
@@ -46,6 +49,7 @@ class Replay:
         self.at = {"target": 0, "draft": 0}
         self.recording = True
         self.timer, self.spent = time.perf_counter, 0.0  # time inside the replayed calls (by the run's clock)
+        self.evict: torch.Tensor | None = None  # written over by each replayed call (--evict)
         backend.target, backend.draft = self._call("target"), self._call("draft")
 
     def _call(self, name):
@@ -57,6 +61,8 @@ class Replay:
             t0 = self.timer()
             self.at[name] += 1
             with torch._C.DisableTorchFunction():  # the copies are not the loop's calls (--count-ops)
+                if self.evict is not None:
+                    self.evict.add_(1.0)
                 out = warm(self.calls[name][self.at[name] - 1])
             self.spent += self.timer() - t0
             return out
@@ -138,6 +144,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads outside the steps (the bench's setting)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--evict", type=int, default=0, metavar="MB", help="memory each replayed call writes over")
     ap.add_argument("--count-ops", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -146,9 +153,10 @@ def main() -> None:
     prompts = [p.ids for p in load_prompts([a.prompts], codec, a.limit)]
     base = Runtime.from_bundle(a.engine)
     replay = Replay(base.backend)
+    replay.evict = torch.zeros(a.evict * 2**18) if a.evict else None
     timers = ForwardTimers(base.backend)
     clock = replay.timer = time.process_time if a.clock == "cpu" else time.perf_counter
-    results = {"load_avg_start": os.getloadavg()[0], "clock": a.clock}
+    results = {"load_avg_start": os.getloadavg()[0], "clock": a.clock, "evict_mb": a.evict}
     for name in a.systems.split(","):
         for b in (int(x) for x in a.batch_sizes.split(",")):
             replay.record()
@@ -174,7 +182,7 @@ def main() -> None:
             results[f"{name}@{b}"] = row
             ops_note = (f", {row['torch_calls_per_target_call']:.1f} torch calls" if a.count_ops else "")
             print(f"{name:16s} b{b}: loop-side {row['min_ms']:.3f} ms per target call "
-                  f"(median {row['median_ms']:.3f}, {a.runs} runs, {a.clock} clock{ops_note})", flush=True)
+                  f"(median {row['median_ms']:.3f}, {a.runs} runs, {a.clock} clock, evict {a.evict} MB{ops_note})", flush=True)
     results["load_avg_end"] = os.getloadavg()[0]
     if a.json:
         with open(a.json, "w") as f:
