@@ -17,7 +17,8 @@ Each run starts a fresh scheduler (the adaptive policy learns from nothing, as i
 ran, not the time it waited for a core). --evict MB: each replayed call also writes over MB of memory (counted
 as the forward's time), as a real forward's weights and caches evict the loop's code and data from the CPU
 caches: on the zoo pair (a forward streams ~15 MB) the loop's phases then take what they take in a real run
-(2-3x the warm replay's; 32 MB measured on a 2-core AMD EPYC, docs/gpu-runtime.md). --count-ops: also the torch calls the loop makes per target call
+(2-3x the warm replay's; 32 MB measured on a 2-core AMD EPYC, docs/gpu-runtime.md).
+--count-ops: also the torch calls the loop makes per target call
 (a TorchFunctionMode; one extra replayed run, not timed).
 """
 
@@ -182,7 +183,8 @@ def main() -> None:
             results[f"{name}@{b}"] = row
             ops_note = (f", {row['torch_calls_per_target_call']:.1f} torch calls" if a.count_ops else "")
             print(f"{name:16s} b{b}: loop-side {row['min_ms']:.3f} ms per target call "
-                  f"(median {row['median_ms']:.3f}, {a.runs} runs, {a.clock} clock, evict {a.evict} MB{ops_note})", flush=True)
+                  f"(median {row['median_ms']:.3f}, {a.runs} runs, {a.clock} clock, evict {a.evict} MB{ops_note})",
+                  flush=True)
     results["load_avg_end"] = os.getloadavg()[0]
     if a.json:
         with open(a.json, "w") as f:

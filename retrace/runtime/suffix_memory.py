@@ -125,9 +125,9 @@ class SuffixMemory:
             self.features = torch.zeros(slots, B, F, dtype=torch.float32)
             self.valid = torch.zeros(slots, B, dtype=torch.float32)
             self.corr_index = torch.zeros(slots, B, dtype=torch.int64)
-            self.count = torch.zeros(slots, dtype=torch.int64)  # valid slots 1..count
-            self.position = torch.full((slots,), -1, dtype=torch.int64)  # absolute position of new slot 0
         self.filled: set[int] = set()  # slots holding a memory (kept on the host: no read to know it)
+        self._position = [-1] * slots  # absolute position of each slot's new slot 0 (-1: none), on the host
+        self._device = torch.device(device)
         # `align` for every (accepted a, verified K) pair, row a * B + K: a round looks its rows up (two
         # index ops) instead of recomputing the alignment (a dozen small ones); the same integers
         a = torch.arange(B, device=device).repeat_interleave(B)
@@ -137,7 +137,7 @@ class SuffixMemory:
         self._on = valid.unsqueeze(-1)  # [B*B, B, 1] bool
         self._valid = valid.float()  # [B*B, B]
         self._keep = valid.unsqueeze(-1).to(dtype)  # [B*B, B, 1] in the memory's dtype
-        self._count = valid.sum(1)  # [B*B]
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # one table row's lookups, as views (`_lookup`)
         self._count_host = [max(0, min(k, B - 2) - a) for a in range(B) for k in range(B)]  # the same, on the host
 
     def clear(self, slot: int) -> None:
@@ -147,8 +147,7 @@ class SuffixMemory:
         self.features[slot] = 0
         self.corr_index[slot] = 0
         self.valid[slot] = 0
-        self.count[slot] = 0
-        self.position[slot] = -1
+        self._position[slot] = -1
         self.suffix[slot] = -1
         self.target[slot] = -1
         self.filled.discard(slot)
@@ -195,21 +194,42 @@ class SuffixMemory:
             verified = torch.full_like(accepted, K)
         host_verified = getattr(verified, "host_values", None)
         key = self._key(accepted, verified, S, host_accepted, host_verified)  # align(accepted, B, that), looked up
-        old, corr = self._aligned[key].unbind(1)
+        old, corr, old_d, keep, on, valid = self._lookup(key)
         if target_argmax is None:
             target_argmax = verify_logits.argmax(-1)
         scored = self._scored(host_accepted, host_verified, S, K)
-        kept = torch.gather(hidden, 1, self._old[key].expand(-1, -1, hidden.shape[-1]))
-        self.memory[rows] = kept * self._keep[key]  # in the memory's dtype
+        self.memory[rows] = torch.gather(hidden, 1, old_d.expand(-1, -1, hidden.shape[-1])) * keep  # memory's dtype
         if scored is None:  # no row keeps a slot
             self.features[rows] = 0
         else:
             feats = kept_features(block_tokens, verify_logits, draft_logits, target_argmax, old, corr, scored, space)
-            self.features[rows] = torch.where(self._on[key], feats, 0)
-        self.valid[rows] = self._valid[key]
+            self.features[rows] = torch.where(on, feats, 0)
+        self.valid[rows] = valid
         self.corr_index[rows] = corr
-        self.count[rows] = self._count[key]
-        self.position[rows] = anchor_pos + accepted + 1
+        accepted_host = host_accepted if host_accepted is not None else host_values(accepted)
+        for s, p, a in zip(host_values(slots), host_values(anchor_pos), accepted_host, strict=True):
+            self._position[s] = p + a + 1
+
+    @property
+    def count(self) -> torch.Tensor:
+        """[slots] int64 valid slots per batch slot (they are new slots 1..count)."""
+        return self.valid.sum(1).to(torch.int64)
+
+    @property
+    def position(self) -> torch.Tensor:
+        """[slots] int64 the absolute position of each slot's new slot 0 (-1: no memory)."""
+        return torch.tensor(self._position, dtype=torch.int64, device=self._device)
+
+    def _lookup(self, key: torch.Tensor | slice) -> tuple[torch.Tensor, ...]:
+        """The alignment tables' rows for `key`: (old, corr, old [.., 1], keep, on, valid). A one-row key (a
+        slice) is looked up once per table row and kept as views: a batch-1 round indexes no table."""
+        if isinstance(key, slice) and key.start in self._views:
+            return self._views[key.start]
+        old, corr = self._aligned[key].unbind(1)
+        found = (old, corr, self._old[key], self._keep[key], self._on[key], self._valid[key])
+        if isinstance(key, slice):
+            self._views[key.start] = found
+        return found
 
     def _key(self, accepted: torch.Tensor, verified: torch.Tensor, S: int, host_accepted: list[int] | None,
              host_verified: list[int] | None) -> torch.Tensor | slice:

@@ -29,14 +29,14 @@ class RoundBatch:
     mode: str  # "ar", "dflash" or "retrace"
     slots: torch.Tensor  # [N] int64 batch slots (index_tensor: with a host copy)
     anchor: torch.Tensor  # [N] int64 the last committed token per row (no target K/V yet)
-    anchor_pos: torch.Tensor  # [N] int64 its absolute position
+    anchor_pos: torch.Tensor  # [N] int64 its absolute position (index_tensor: with a host copy)
     anchor_host: list[int]  # [N] the same positions on the host (positions are built without a read)
 
     @classmethod
     def of(cls, reqs: list, device: torch.device) -> RoundBatch:
         anchor_host = [r.anchor_pos for r in reqs]
         return cls(reqs, reqs[0].mode, index_tensor([r.slot for r in reqs], device),
-                   torch.tensor([r.anchor for r in reqs], device=device), torch.tensor(anchor_host, device=device),
+                   torch.tensor([r.anchor for r in reqs], device=device), index_tensor(anchor_host, device),
                    anchor_host)
 
     @property
