@@ -254,3 +254,34 @@ def test_the_timings_observer_follows_a_stats_reset(pair):
     rt.generate(PROMPTS[:1], params, "retrace")
     t = rt.scheduler().timing
     assert t.draft > 0 and t.verify > 0
+
+
+class RecordedDraftTimes(FixedPolicy):
+    """The fixed policy, recording the draft time each round's observe gets."""
+
+    def __init__(self, block_size):
+        super().__init__(block_size)
+        self.draft_s = []
+
+    def observe(self, mode, rows, verify_tokens, verify_s, draft_s, verified, accepted):
+        self.draft_s.append(draft_s)
+
+
+def test_a_draft_call_that_caught_up_on_earlier_positions_is_not_timed_as_drafting(pair):
+    """The first draft call after a 20-token prompt (block 8) runs the prompt's taps through the drafter
+    too: the policy gets no draft time for it (round_outcome.PolicyObserver); every later call, one round's
+    taps (C <= B), is timed."""
+    policy = RecordedDraftTimes(B)
+    rt = Runtime.from_dirs(*pair, max_batch=1, max_seq_len=96, verify_policy=policy)
+    sched = rt.scheduler()
+    contexts, propose = [], sched.drafter.propose
+
+    def spy(batch, slots):
+        p = propose(batch, slots)
+        contexts.append(p.context)
+        return p
+
+    sched.drafter.propose = spy
+    rt.generate([list(range(1, 21))], SamplingParams(max_new_tokens=24), "dflash")
+    assert contexts[0] == 20 and len(contexts) > 2 and all(c <= B for c in contexts[1:]), contexts
+    assert policy.draft_s[0] is None and all(s is not None and s > 0 for s in policy.draft_s[1:])

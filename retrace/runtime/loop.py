@@ -141,8 +141,8 @@ class Scheduler:
                   if self.lookup is not None else None)
         self.plan = ProposerPlan(self.policy, self.drafter, lookup)
         self.verify_and_accept = VerifyAndAccept(backend, clock, self.eos_ids)
-        self.observers = [o for o in (self.memory, PolicyObserver(self.policy), TimingObserver(lambda: self.timing),
-                                      *self.plan.proposers) if o is not None]
+        self.observers = [o for o in (self.memory, PolicyObserver(self.policy, self.block_size),
+                                      TimingObserver(lambda: self.timing), *self.plan.proposers) if o is not None]
         # torch's threads for the steps' own ops (runtime/host_threads.py), torch's own again once idle
         self.loop_threads = LoopThreads(backend, idle=lambda: not self.has_work)
 

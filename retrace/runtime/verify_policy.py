@@ -64,16 +64,18 @@ class VerifyPolicy(Protocol):
 
     def observe(self, mode: str, rows: int, verify_tokens: int, verify_s: float, draft_s: float | None,
                 verified: torch.Tensor | None, accepted: torch.Tensor) -> None:
-        """After the verify: the round's timings and outcome (verified None: no draft call this round)."""
+        """After the verify: the round's timings and outcome (verified None: no draft call this round;
+        draft_s None: no draft call, or one whose time is not drafting's alone: round_outcome.PolicyObserver)."""
         ...
 
     def choose_tree(self, mode: str, tree: DraftTree) -> int:
         """Tree rounds, after drafting: how many of the tree's best-first nodes to verify (root counted)."""
         ...
 
-    def observe_tree(self, mode: str, rows: int, verify_tokens: int, verify_s: float, draft_s: float,
+    def observe_tree(self, mode: str, rows: int, verify_tokens: int, verify_s: float, draft_s: float | None,
                      tree: DraftTree, path: torch.Tensor, accepted: torch.Tensor) -> None:
-        """After a tree verify of `tree` (as verified): timings, each row's round path and accepted length."""
+        """After a tree verify of `tree` (as verified): timings (draft_s as in `observe`), each row's round path
+        and accepted length."""
         ...
 
 
@@ -238,7 +240,8 @@ class AdaptivePolicy:
     def observe_tree(self, mode, rows, verify_tokens, verify_s, draft_s, tree, path, accepted) -> None:
         if self.learn_cost:
             self.cost.observe_verify(rows, verify_tokens, verify_s)
-            self.cost.observe_draft(rows, draft_s, self.block_size - 1)  # a tree drafts the whole block
+            if draft_s is not None:  # None: a call that also caught up on earlier rounds (round_outcome.py)
+                self.cost.observe_draft(rows, draft_s, self.block_size - 1)  # a tree drafts the whole block
         factor, self._last_tree = self._last_tree, None
         if factor is None:
             return

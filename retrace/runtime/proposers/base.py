@@ -63,6 +63,8 @@ class Proposal:
     space: DraftSpace | None = None  # the index space of draft_logits' last dim (None: the target's vocab)
     tree: DraftTree | None = None  # the tree to verify (kind "tree"), M nodes per row
     marks: tuple = ()  # stopwatch marks: (draft start, draft end[, tree built]); () without a drafter call
+    context: int = 0  # C: context positions per row the drafter call took (padded): the last round's taps,
+    #   or after rounds without a draft call (a new request's prompt, a policy pause) all of theirs at once
 
     @property
     def drafted(self) -> bool:

@@ -16,7 +16,7 @@ from retrace.runtime.sampling import argmax, row_probs, sample_drafts
 
 class DrafterCall:
     """One drafter call for a round's rows -> (hidden [N, B, d], draft_logits [N, S, Vd] over the backend's
-    draft space (runtime/draft_space.py), drafts [N, S] target ids, q)."""
+    draft space (runtime/draft_space.py), drafts [N, S] target ids, q, C the context positions per row it took)."""
 
     def __init__(self, backend, memory, block_size: int, mask_id: int):
         self.backend, self.memory = backend, memory
@@ -41,7 +41,7 @@ class DrafterCall:
         space = self.space
         space.check(draft_logits, self.backend)
         drafts, q = propose_tokens(draft_logits, batch.reqs, space)
-        return hidden, draft_logits, drafts, q
+        return hidden, draft_logits, drafts, q, ctx_taps.shape[1]
 
 
 def propose_tokens(draft_logits: torch.Tensor, reqs: list, space: DraftSpace | None = None
@@ -67,10 +67,10 @@ class DrafterChain:
 
     def propose(self, batch: RoundBatch, slots: int) -> Proposal:
         start = self.clock.mark()
-        hidden, draft_logits, drafts, q = self.drafter(batch, slots)
+        hidden, draft_logits, drafts, q, context = self.drafter(batch, slots)
         verified = self.policy.choose(batch.mode, draft_logits, drafts, q)
         return Proposal("chain", self, drafts, verified, slots, q, hidden, draft_logits, self.drafter.space,
-                        marks=(start, self.clock.mark()))
+                        marks=(start, self.clock.mark()), context=context)
 
     def observe(self, outcome) -> None:
         pass  # the verify policy learns the chain's K (runtime/round_outcome.py PolicyObserver)

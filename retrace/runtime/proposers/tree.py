@@ -26,7 +26,7 @@ class DrafterTree:
     def propose(self, batch: RoundBatch, slots: int) -> Proposal:
         S = self.drafter.block_size - 1  # a tree draws on every slot of the block
         start = self.clock.mark()
-        hidden, draft_logits, top1, q = self.drafter(batch, S)
+        hidden, draft_logits, top1, q, context = self.drafter(batch, S)
         drafted = self.clock.mark()
         sampling = [qi is not None for qi in q]
         sampled = (torch.where(torch.tensor(sampling, device=batch.device).unsqueeze(1), top1, -1)
@@ -37,7 +37,7 @@ class DrafterTree:
                            self.memory.trajectory(batch.slots), self.rates, sampled=sampled)
         tree = tree.truncate(self.policy.choose_tree(batch.mode, tree))
         return Proposal("tree", self, top1, None, S, q, hidden, draft_logits, space, tree,
-                        marks=(start, drafted, self.clock.mark()))
+                        marks=(start, drafted, self.clock.mark()), context=context)
 
     def observe(self, outcome) -> None:
         if outcome.proposal.source is not self:
