@@ -52,6 +52,7 @@ from retrace.engines.bundle import Bundle, BundleError, _inside
 from retrace.errors import MissingDependencyError, RetraceError
 from retrace.models.draft_vocab import DraftVocab
 from retrace.models.drafter import SuffixInputs
+from retrace.runtime import file_pages
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.bundle_configs import bundle_configs
 from retrace.runtime.kv_inplace import BIAS, attention_rows, to_inplace_kv, tree_bias
@@ -299,6 +300,7 @@ class OnnxRuntimeBackend:
             self.dcache = _Cache(dc.num_hidden_layers, self.max_batch, dc.num_key_value_heads, self.max_seq_len,
                                  dc.head_dim, self.dgraph.dtype("past_key_0"), self.device)
         self._taps_width = len(tm.get("tap_layers") or ()) * tc.hidden_size
+        file_pages.release(bundle.root)  # the weight files' pages read while loading (runtime/file_pages.py)
 
     def _draft_vocab_head(self, d_path: Path, threads, session_options) -> HeadGraph | None:
         """The drafter graph with its head cut off, and self.draft_head: a session over the draft vocabulary's
