@@ -43,7 +43,7 @@ def resident_by_kind() -> dict[str, float]:
                         else path)
             elif head[0] == "Rss:":
                 kinds[name] += int(head[1]) / 1e6
-    return {k: round(v, 3) for k, v in kinds.most_common()}
+    return {k: round(v, 3) for k, v in kinds.most_common() if v >= 0.001}
 
 
 def main() -> None:
