@@ -97,7 +97,8 @@ def main() -> None:
     else:
         from retrace.runtime import Runtime, SamplingParams
 
-        rt = Runtime.from_bundle(a.bundle, max_batch=a.max_batch, threads=a.threads)
+        # as `retrace generate` loads it: the drafter's session only for a mode that drafts
+        rt = Runtime.from_bundle(a.bundle, max_batch=a.max_batch, threads=a.threads, lazy_drafter=a.mode == "ar")
         loaded = peak_gb()
         for p in prompts:
             rt.generate([p], SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True), a.mode)

@@ -130,15 +130,18 @@ def runtime_options(fn):
     return wrapped
 
 
-def build_runtime(target, drafter, engine, backend, options):
+def build_runtime(target, drafter, engine, backend, options, drafts: bool = True):
     """The Runtime for --engine (limits default to the bundle's) or --target/--drafter (torch), carrying
-    `options` (a RuntimeOptions) whole."""
+    `options` (a RuntimeOptions) whole. drafts=False (a command that only decodes plainly): an ONNX Runtime
+    bundle's drafter session is not opened unless something drafts after all (lazy_drafter)."""
     from retrace.runtime import Runtime
 
     if engine is not None:
         if target or drafter:
             raise RetraceError("give either --engine or --target/--drafter, not both")
-        return Runtime.from_bundle(engine, backend=backend or "onnxruntime", options=options)
+        backend = backend or "onnxruntime"
+        lazy = {"lazy_drafter": True} if backend == "onnxruntime" and not drafts else {}
+        return Runtime.from_bundle(engine, backend=backend, options=options, **lazy)
     if target is None:
         raise RetraceError("give --target (and --drafter) or --engine")
     from retrace.models.config import Qwen3Config

@@ -161,6 +161,19 @@ def test_verify_rows_are_bit_identical_to_the_decode_steps(world):
         Runtime.from_dirs(world[0].target, world[0].drafter, row_invariant=False)
 
 
+def test_lazy_drafter_opens_at_the_first_draft_and_decodes_the_same(world):
+    """lazy_drafter: plain decoding never makes the drafter's session; the first draft call makes it, and a
+    request that drafts after plain ones decodes exactly as on an eagerly loaded backend."""
+    built, prompts, greedy = world
+    rt = Runtime.from_bundle(built.bundle, threads=1, lazy_drafter=True)
+    be = rt.backend
+    check(rt.generate(prompts[:2], SamplingParams(max_new_tokens=24), "ar"), [g[:24] for g in greedy[:2]], "ar")
+    assert be._dgraph is None and be._dcache is None
+    check(rt.generate(prompts[:3], SamplingParams(max_new_tokens=24), "retrace"), [g[:24] for g in greedy[:3]],
+          "retrace after ar")
+    assert be._dgraph is not None and be.open_drafter() is be._dgraph  # made once
+
+
 # -- the CLI ----------------------------------------------------------------------------------------------
 def test_generate_cli_with_engine_matches_dirs(world):
     from retrace.cli import main

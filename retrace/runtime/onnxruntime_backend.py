@@ -216,12 +216,14 @@ class OnnxRuntimeBackend:
                  threads: int | None = None, providers: list | None = None, kv_mode: str | None = None,
                  session_options: dict | None = None, share_weights: bool = True,
                  lm_head_session: bool | None = None, device: str | None = None, draft_vocab: bool = True,
-                 row_invariant: bool = True):
+                 row_invariant: bool = True, lazy_drafter: bool = False):
         """device: where the caches and outputs live (default: the first execution provider's; "cpu" with a
         CUDA provider keeps them in host memory, ONNX Runtime then copying them per call). draft_vocab=False:
         the drafter's full head even where the bundle has a draft vocabulary. row_invariant=False: target
         calls at their own widths (retrace.runtime.row_invariance; a verify row may then differ from the
-        decode step's in the last bits)."""
+        decode step's in the last bits). lazy_drafter=True: the drafter's session and cache are made at the
+        first draft call (or open_drafter()), so a process that only decodes plainly (`retrace generate
+        --mode ar`) never holds them (~0.12 GB for the 0.6B-shape int4 drafter)."""
         _ort()  # a clear error when onnxruntime is missing, before anything else
         limits = bundle.limits
         if kv_mode is not None and kv_mode not in KV_MODES:
@@ -275,15 +277,8 @@ class OnnxRuntimeBackend:
         self.draft_ids = None if self.draft_vocab is None else self.draft_vocab.ids.to(self.device)
         if self.draft_vocab is not None:
             d_head = self._draft_vocab_head(d_path, threads, session_options) or d_head
-        self.dgraph = None
-        if self.drafter_config is not None:
-            self.dgraph = _Graph(bundle.graph_path("drafter"), _session_options(threads, session_options),
-                                 self.providers, "drafter", self.shared.drafter if self.shared else None, d_head,
-                                 self.device)
-            self._suffix_inputs = "valid" in self.dgraph.inputs
-            if self._suffix_inputs:
-                feats = next(i for i in self.dgraph.sess.get_inputs() if i.name == "features")
-                self._num_features = int(feats.shape[-1])
+        self._dgraph = self._dcache = None
+        self._drafter_head = (d_head, threads, session_options)
         self.threads = threads
         # measured on the CPU provider only (runtime/row_invariance.py); other providers' kernels: not padded
         cpu = PROVIDER_DEVICE.get(first_provider(self.providers)) == "cpu"
@@ -294,13 +289,37 @@ class OnnxRuntimeBackend:
         self.tcache = _Cache(tc.num_hidden_layers, self.max_batch, tc.num_key_value_heads, self.max_seq_len + SPARE,
                              tc.head_dim, dtype, self.device)
         self._views: dict[tuple[int, int], tuple[dict, dict]] = {}  # _kv_views, per slot range
-        self.dcache = None
-        if self.drafter_config is not None:
-            dc = self.drafter_config.layers
-            self.dcache = _Cache(dc.num_hidden_layers, self.max_batch, dc.num_key_value_heads, self.max_seq_len,
-                                 dc.head_dim, self.dgraph.dtype("past_key_0"), self.device)
         self._taps_width = len(tm.get("tap_layers") or ()) * tc.hidden_size
+        if not lazy_drafter:
+            self.open_drafter()
         file_pages.release(bundle.root)  # the weight files' pages read while loading (runtime/file_pages.py)
+
+    def open_drafter(self) -> _Graph | None:
+        """The drafter's session and K/V cache, made once (at load, or at the first draft call with
+        lazy_drafter); None for a bundle without a drafter."""
+        if self._dgraph is None and self.drafter_config is not None:
+            d_head, threads, session_options = self._drafter_head
+            g = _Graph(self.bundle.graph_path("drafter"), _session_options(threads, session_options),
+                       self.providers, "drafter", self.shared.drafter if self.shared else None, d_head, self.device)
+            self._suffix_inputs = "valid" in g.inputs
+            if self._suffix_inputs:
+                feats = next(i for i in g.sess.get_inputs() if i.name == "features")
+                self._num_features = int(feats.shape[-1])
+            dc = self.drafter_config.layers
+            self._dcache = _Cache(dc.num_hidden_layers, self.max_batch, dc.num_key_value_heads, self.max_seq_len,
+                                  dc.head_dim, g.dtype("past_key_0"), self.device)
+            self._dgraph = g
+            file_pages.release(self.bundle.root)  # the drafter file's pages read while prepacking
+        return self._dgraph
+
+    @property
+    def dgraph(self) -> _Graph | None:
+        return self.open_drafter()
+
+    @property
+    def dcache(self) -> _Cache | None:
+        self.open_drafter()
+        return self._dcache
 
     def _draft_vocab_head(self, d_path: Path, threads, session_options) -> HeadGraph | None:
         """The drafter graph with its head cut off, and self.draft_head: a session over the draft vocabulary's
