@@ -1,5 +1,6 @@
-"""Giving back a bundle's file pages after load (retrace/runtime/file_pages.py): read-only mappings leave the
-resident set and read back the same bytes; a writable mapping is left alone."""
+"""Giving back file pages after load (retrace/runtime/file_pages.py): a bundle's read-only mappings leave the
+resident set and read back the same bytes; a writable mapping is left alone; the shared libraries' clean code
+pages are given back and the code still runs, their relocated (written) read-only segments are left alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ import pytest
 from retrace.runtime import file_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps, madvise")
+
+
+def _mappings() -> list[dict]:
+    """This process's mappings: start, perms, name, rss and anonymous bytes (/proc/self/smaps)."""
+    out = []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
+                out.append({"start": int(parts[0].split("-")[0], 16), "perms": parts[1],
+                            "name": parts[5] if len(parts) == 6 else "", "rss": 0, "anon": 0})
+            elif parts[0] in ("Rss:", "Anonymous:"):
+                out[-1]["rss" if parts[0] == "Rss:" else "anon"] += int(parts[1]) * 1024
+    return out
 
 
 def _resident(path) -> int:
@@ -54,3 +69,32 @@ def test_files_elsewhere_are_not_touched(tmp_path):
     assert int(mapped.sum()) == 0
     assert file_pages.read_only_mappings(tmp_path / "b") == []
     assert _resident((tmp_path / "a" / "w.bin").resolve()) > 0
+
+
+def _torch_code() -> int:
+    return sum(m["rss"] for m in _mappings() if m["name"].endswith("/libtorch_cpu.so") and "x" in m["perms"])
+
+
+def test_library_code_pages_are_given_back_and_the_code_still_runs():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(96, 80, generator=g), torch.randn(80, 64, generator=g)
+    before = (a @ b).softmax(-1)
+    resident = _torch_code()
+    assert resident > 8 * 2**20  # import's static initializers touched many MB of torch's code
+    assert file_pages.release_libraries() >= 1
+    assert _torch_code() < resident / 2
+    assert torch.equal((a @ b).softmax(-1), before)
+    assert _torch_code() > 0  # what ran came back
+
+
+def test_relocated_read_only_segments_are_left_alone():
+    import torch  # noqa: F401  (its libraries mapped: a relocated read-only segment among them)
+
+    spans = {start for start, _ in file_pages.clean_library_mappings()}
+    libs = [m for m in _mappings() if file_pages._is_library(m["name"]) and "w" not in m["perms"]]
+    relocated = [m for m in libs if m["anon"]]
+    assert relocated and spans
+    assert not any(m["start"] in spans for m in relocated)
+    assert all(m["start"] in spans for m in libs if not m["anon"] and m["rss"])

@@ -223,8 +223,9 @@ class OnnxRuntimeBackend:
         calls at their own widths (retrace.runtime.row_invariance; a verify row may then differ from the
         decode step's in the last bits). lazy_drafter=True: the drafter's session and cache are made at the
         first draft call (or open_drafter()), so a process that only decodes plainly (`retrace generate
-        --mode ar`) never holds them (~0.12 GB for the 0.6B-shape int4 drafter)."""
+        --mode ar`) never holds them (~0.02 GB for the 0.6B-shape int4 drafter)."""
         _ort()  # a clear error when onnxruntime is missing, before anything else
+        file_pages.release_libraries()  # the code `import torch` / onnxruntime touched (runtime/file_pages.py)
         limits = bundle.limits
         if kv_mode is not None and kv_mode not in KV_MODES:
             raise RetraceError(f"unknown kv_mode {kv_mode!r} (choose from {', '.join(KV_MODES)})")
@@ -292,7 +293,7 @@ class OnnxRuntimeBackend:
         self._taps_width = len(tm.get("tap_layers") or ()) * tc.hidden_size
         if not lazy_drafter:
             self.open_drafter()
-        file_pages.release(bundle.root)  # the weight files' pages read while loading (runtime/file_pages.py)
+        file_pages.after_load(bundle.root)  # the weight files' pages read while loading, the code it ran
 
     def open_drafter(self) -> _Graph | None:
         """The drafter's session and K/V cache, made once (at load, or at the first draft call with
@@ -309,7 +310,7 @@ class OnnxRuntimeBackend:
             self._dcache = _Cache(dc.num_hidden_layers, self.max_batch, dc.num_key_value_heads, self.max_seq_len,
                                   dc.head_dim, g.dtype("past_key_0"), self.device)
             self._dgraph = g
-            file_pages.release(self.bundle.root)  # the drafter file's pages read while prepacking
+            file_pages.after_load(self.bundle.root)  # the drafter file's pages read while prepacking
         return self._dgraph
 
     @property
