@@ -200,7 +200,7 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()),
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
-                  tree_fixed=tree_fixed, prompt_lookup=prompt_lookup, weights=weights, device=device, dtype=dtype,
+                  tree_fixed=tree_fixed, prompt_lookup=bool(prompt_lookup), weights=weights, device=device, dtype=dtype,
                   compile_steps=compile_steps, cuda_graphs=False if no_cuda_graphs else None,
                   row_invariant=not no_row_invariance)
 

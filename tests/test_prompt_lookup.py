@@ -94,3 +94,80 @@ def test_lookup_on_onnxruntime_and_sampling_rows(pair):
     assert rt.run_stats()["prompt_lookup"]["accepted"] > 0
     sampled = rt.generate(prompts[:2], SamplingParams(max_new_tokens=16, temperature=1.0, seed=3), "dflash")
     assert all(len(r.token_ids) == 16 for r in sampled)
+
+
+class _Planned:
+    """A verify policy stub: plans `slots` draft slots, reports `gain` as its drafting gain."""
+
+    def __init__(self, slots, gain):
+        self.slots, self.gain = slots, gain
+
+    def plan(self, mode, rows):
+        return self.slots
+
+    def drafting_gain(self, mode):
+        return self.gain
+
+
+def test_lookup_first_takes_the_rounds_it_is_expected_to_commit_faster_in():
+    from types import SimpleNamespace
+
+    from retrace.runtime.proposers import LookupFirstPlan, LookupProposer, RoundBatch
+
+    drafter = object()
+    lookup = LookupProposer(PromptLookup(), LinearCost(0.1, 1.0), 8)
+    hit = RoundBatch.of([SimpleNamespace(**vars(_Req([5, 1, 2, 3, 9, 1, 2])), mode="retrace", anchor=2,
+                                         anchor_pos=6)], torch.device("cpu"))
+    miss = RoundBatch.of([SimpleNamespace(**vars(_Req([1, 2, 3, 4], slot=1)), mode="retrace", anchor=4, anchor_pos=3)],
+                         torch.device("cpu"))
+    rate = lookup.gain(hit)  # prior acceptance 0.5, verify 1 + 0.1 (T - 1): K = 2 or 3 pays ~1.5x plain
+    assert 1.3 < rate < 1.7
+    assert lookup.gain(miss) == 1.0  # no earlier occurrence: nothing beats plain decoding
+    for gain, want in ((1.2, lookup), (2.5, drafter), (None, drafter)):
+        plan = LookupFirstPlan(_Planned(7, gain), drafter, lookup)
+        assert plan.pick(hit) == ((lookup, 0) if want is lookup else (drafter, 7))
+        assert plan.pick(miss) == (drafter, 7)
+    assert LookupFirstPlan(_Planned(0, 1.2), drafter, lookup).pick(hit) == (lookup, 0)  # the policy's pause
+    plan = LookupFirstPlan(_Planned(7, 1.2), drafter, lookup)
+    assert plan.pick(SimpleNamespace(mode="ar", rows=1)) == (plan.none, 0)
+    lookup.gain(hit)
+    p = lookup.propose(hit, 0)  # the offer weighed is the one verified
+    assert p.drafts.tolist()[0] == [3, 9, 1, 2, 3, 9, 1][: p.drafts.shape[1]] and p.drafts.shape[1] >= 1
+    assert lookup._offer is None
+
+
+@pytest.mark.parametrize("mode", ["dflash", "retrace"])
+def test_greedy_with_lookup_first_is_the_targets_own_decode(pair, mode):
+    """Rounds where the policy planned a draft call and the lookup took them, and drafted rounds, in one
+    generate (free drafts and a flat verify here: drafting never pauses, a lookup with a match pays more than
+    this random drafter), batch 1 and 3: the target's own greedy decode."""
+    target, drafter, prompts, greedy, _ = pair
+    rt = Runtime.from_dirs(target, drafter, max_batch=3, max_seq_len=128,
+                           verify_policy=AdaptivePolicy(8, LinearCost(0.0, 0.0), learn_cost=False),
+                           prompt_lookup=PromptLookup(max_rows=3, first=True))
+    plan = rt.scheduler().plan
+    picks = _recording(plan)
+    for batch in (prompts[:1], prompts):
+        res = rt.generate(batch, SamplingParams(max_new_tokens=48), mode)
+        assert [r.token_ids for r in res] == greedy[: len(batch)]
+    assert (plan.lookup, True) in picks and (plan.drafter, True) in picks, picks
+    assert rt.run_stats()["prompt_lookup"]["first"] is True
+
+
+def _recording(plan) -> list:
+    """plan.pick and plan.policy.plan wrapped: [(the proposer picked, whether the policy planned a draft call)]."""
+    picks, planned = [], []
+    pick, policy_plan = plan.pick, plan.policy.plan
+
+    def plan_slots(mode, rows):
+        planned.append(policy_plan(mode, rows))
+        return planned[-1]
+
+    def rec(batch):
+        planned.clear()
+        proposer, slots = pick(batch)
+        picks.append((proposer, bool(planned and planned[-1] > 0)))
+        return proposer, slots
+
+    plan.pick, plan.policy.plan = rec, plan_slots
+    return picks

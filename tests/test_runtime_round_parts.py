@@ -104,12 +104,16 @@ def test_each_proposers_proposal_has_its_documented_shapes(pair):
 def test_the_plan_picks_the_proposer_the_policy_plans(pair):
     sched, _ = prefilled(pair, PROMPTS[:1], prompt_lookup=PromptLookup())
     plan = sched.plan
-    assert plan.pick("ar", 1) == (plan.none, 0)
-    assert plan.pick("retrace", 1) == (sched.drafter, B - 1)  # fixed policy: the whole block
+
+    def batch(mode):
+        return SimpleNamespace(mode=mode, rows=1)
+
+    assert plan.pick(batch("ar")) == (plan.none, 0)
+    assert plan.pick(batch("retrace")) == (sched.drafter, B - 1)  # fixed policy: the whole block
     plan.policy = SimpleNamespace(plan=lambda mode, rows: 0)  # a policy that plans no draft call
-    assert plan.pick("dflash", 1) == (plan.lookup, 0)
+    assert plan.pick(batch("dflash")) == (plan.lookup, 0)
     plan.lookup = None
-    assert plan.pick("dflash", 1) == (plan.none, 0)
+    assert plan.pick(batch("dflash")) == (plan.none, 0)
 
 
 # -- verify and accept: the chain as the tree's special case ----------------------------------------------

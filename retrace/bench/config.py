@@ -1,7 +1,7 @@
 """What a benchmark run is asked to do (`BenchConfig`, the `retrace bench` options) and the names it uses:
 the peer systems, our modes and backends, the headline system and the goals the results are checked against.
 
-System names: `retrace-<backend>-<mode>[-fixed|-tree|-tree<b>-fixed|-lookup][<precision>]` for ours
+System names: `retrace-<backend>-<mode>[-fixed|-tree|-tree<b>-fixed|-lookup|-lookup-first][<precision>]` for ours
 (retrace.bench.lineup), the PEERS' own names for theirs; `--systems` patterns select among them (`wanted`).
 """
 
@@ -45,7 +45,8 @@ class BenchConfig:
     tree_budget: int = 0
     tree_fixed: tuple[int, ...] = ()
     tree_sources: str = "topk,suffix,target"
-    prompt_lookup: bool = False  # also retrace-<backend>-<mode>-lookup: verify_policy + prompt lookup
+    prompt_lookup: bool = False  # also retrace-<backend>-<mode>-lookup[-first]: verify_policy + prompt lookup
+    #   (-first: PromptLookup(first=True), runtime/proposers/lookup_first.py)
     weights: tuple[str, ...] = ("fp32",)  # the precision axis (retrace.bench.precision): ours and the peers'
     device: str | None = None  # the torch backend's device (None: cpu) and dtype (None: float32)
     dtype: str | None = None

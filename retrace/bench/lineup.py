@@ -1,9 +1,10 @@
 """The lineup of a benchmark: which systems to build from a BenchConfig, and building them in this process.
 
 Ours: `retrace-<backend>-<mode>` (the configured verify policy), `-fixed` (whole blocks), `-tree` /
-`-tree<b>-fixed` (draft trees), `-lookup` (prompt lookup), for the torch backend and an ONNX Runtime bundle
-at each precision; the peers: transformers (retrace.bench.systems), onnxruntime-genai
-(retrace.bench.ortgenai_peers), llama.cpp (retrace.bench.llamacpp_peers). What cannot be built is recorded
+`-tree<b>-fixed` (draft trees), `-lookup` (prompt lookup), `-lookup-first` (prompt lookup also before the
+drafter), for the torch backend and an ONNX Runtime bundle at each precision; the peers: transformers
+(retrace.bench.systems), onnxruntime-genai (retrace.bench.ortgenai_peers), llama.cpp
+(retrace.bench.llamacpp_peers). What cannot be built is recorded
 with its reason (`Built.skip`), never fatal. retrace.bench.isolate runs `build_systems` once per group in a
 worker process (retrace.bench.worker).
 """
@@ -44,6 +45,8 @@ def _retrace_names(backend: str, cfg: BenchConfig, suffix: str = "") -> list[tup
             for m in MODES if m != "ar"]
     if cfg.prompt_lookup:
         out += [(f"retrace-{backend}-{m}-lookup", m, f"lookup:{cfg.verify_policy}") for m in MODES if m != "ar"]
+        out += [(f"retrace-{backend}-{m}-lookup-first", m, f"lookup-first:{cfg.verify_policy}")
+                for m in MODES if m != "ar"]
     out = [(name + suffix, mode, policy) for name, mode, policy in out]
     return [x for x in out if wanted(x[0], cfg.systems)]
 
@@ -70,10 +73,10 @@ def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig, suffix: s
             _, tree_policy, budget = policy.split(":")
             runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=tree_policy,
                                        tree_budget=int(budget), tree_sources=cfg.tree_sources)
-        if policy.startswith("lookup:") and policy not in runtimes:
-            runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size,
-                                       verify_policy=policy.split(":")[1],
-                                       prompt_lookup=True)
+        if policy.startswith(("lookup:", "lookup-first:")) and policy not in runtimes:
+            kind, verify_policy = policy.split(":")
+            runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=verify_policy,
+                                       prompt_lookup=True if kind == "lookup" else "first")
         if policy not in runtimes:
             runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=policy)
         built.systems.append(RetraceSystem(runtimes[policy], backend, mode, timers, name))

@@ -41,6 +41,7 @@ from retrace.runtime.proposers import (
     DrafterCall,
     DrafterChain,
     DrafterTree,
+    LookupFirstPlan,
     LookupProposer,
     ProposerPlan,
     RoundBatch,
@@ -127,7 +128,8 @@ class Scheduler:
         self.tree_counts = {s: [0, 0, 0] for s in SOURCES}
         self.memory = (SuffixMemory(backend.max_batch, self.block_size, dc.hidden_size, device=self.device,
                                     trajectory=self.tree_budget > 0) if dc is not None else None)
-        prompt_lookup = PromptLookup() if options.prompt_lookup is True else options.prompt_lookup or None
+        prompt_lookup = {True: PromptLookup(), "first": PromptLookup(first=True)}.get(options.prompt_lookup,
+                                                                                       options.prompt_lookup) or None
         self.lookup = prompt_lookup if dc is not None else None
         clock = stopwatch_for(self.device)  # host timers on the CPU, CUDA events on CUDA
         self.drafter = None
@@ -139,7 +141,8 @@ class Scheduler:
         # prompt lookup's K is cost-aware where the policy has a cost model (FixedPolicy and test policies: none)
         lookup = (LookupProposer(self.lookup, getattr(self.policy, "cost", None), self.block_size)
                   if self.lookup is not None else None)
-        self.plan = ProposerPlan(self.policy, self.drafter, lookup)
+        plan = LookupFirstPlan if self.lookup is not None and self.lookup.first else ProposerPlan
+        self.plan = plan(self.policy, self.drafter, lookup)
         self.verify_and_accept = VerifyAndAccept(backend, clock, self.eos_ids)
         self.observers = [o for o in (self.memory, PolicyObserver(self.policy, self.block_size),
                                       TimingObserver(lambda: self.timing), *self.plan.proposers) if o is not None]
@@ -258,7 +261,7 @@ class Scheduler:
     def _round(self, reqs: list[Request], events: dict[int, Event]) -> None:
         batch = RoundBatch.of(reqs, self.device)
         # 1. draft: the proposer the verify policy's plan picks (the drafter's chain or tree, prompt lookup, none)
-        proposer, slots = self.plan.pick(batch.mode, batch.rows)
+        proposer, slots = self.plan.pick(batch)
         proposal = proposer.propose(batch, slots)
 
         # 2. verify and 3. accept: the step of the proposal's kind (a chain, or a tree under its ancestor mask)

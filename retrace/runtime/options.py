@@ -46,9 +46,10 @@ class RuntimeOptions:
     tree_sources: str | tuple[str, ...] = SOURCES  # a tree's candidates, a comma list or a tuple of "topk"
     #   (the drafter's top-k), "suffix" (the previous round's rejected suffix), "target" (the target's argmax
     #   on it); kept as the validated tuple, in SOURCES order
-    prompt_lookup: bool | PromptLookup = False  # True (or a PromptLookup): in rounds without a drafter call,
-    #   verify drafts copied from the request's own tokens (runtime/prompt_lookup.py; dflash and retrace
-    #   modes, greedy rows)
+    prompt_lookup: bool | str | PromptLookup = False  # True (or a PromptLookup): in rounds without a drafter
+    #   call, verify drafts copied from the request's own tokens (runtime/prompt_lookup.py; dflash and retrace
+    #   modes, greedy rows); "first" (PromptLookup(first=True)): also instead of a draft call where it is
+    #   expected to commit faster (runtime/proposers/lookup_first.py)
     eos_ids: tuple[int, ...] | None = None  # tokens that end a request; None: the target's eos_token_ids
     # -- the backend --
     max_batch: int | None = None  # batch slots; None: DIRS_MAX_BATCH for model dirs, the bundle's limit
@@ -83,6 +84,9 @@ class RuntimeOptions:
                 raise InvalidOption("threads", str(e).removeprefix("threads ")) from None
         if isinstance(self.verify_policy, str) and self.verify_policy not in POLICIES:
             raise RetraceError(f"unknown verify policy {self.verify_policy!r} (choose from {', '.join(POLICIES)})")
+        if isinstance(self.prompt_lookup, str) and self.prompt_lookup != "first":
+            raise RetraceError(f"prompt_lookup must be True, False, \"first\" or a PromptLookup, got "
+                               f"{self.prompt_lookup!r}")
         check_budget(self.tree_budget, self.block_size or 0)
         object.__setattr__(self, "tree_sources", parse_sources(self.tree_sources))
         if self.eos_ids is not None:

@@ -16,6 +16,10 @@ proposal whole). Greedy rows only: a sampling row takes no lookup tokens (verifi
 than `max_rows` rows (default 1) take none: at the Qwen3-0.6B shape on 2 CPU cores lookup won at batch 1
 but lost to plain decoding with 4 rows, the estimate above being too optimistic there
 (docs/bench/prompt-lookup.md).
+
+`first=True`: lookup also before the drafter (runtime/proposers/lookup_first.py): a round whose lookup
+tokens are expected to commit faster than the drafter's recent rounds did (`best`'s rate over plain
+decoding against the verify policy's `drafting_gain`) verifies them and skips the draft call.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class _Index:
 
 class PromptLookup:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 8, decay: float = 0.98,
-                 prior: tuple[float, float] = (1.0, 1.0), max_rows: int = 1):
+                 prior: tuple[float, float] = (1.0, 1.0), max_rows: int = 1, first: bool = False):
         if not 1 <= min_ngram <= max_ngram:
             raise RetraceError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         if max_tokens < 1:
@@ -62,6 +66,7 @@ class PromptLookup:
         self.sizes = range(min_ngram, max_ngram + 1)
         self.max_tokens = max_tokens
         self.max_rows = max_rows
+        self.first = first  # also before the drafter, where it is expected to pay more (proposers/lookup_first.py)
         self.decay = decay
         self.hits, self.misses = prior  # decayed counts of accepted / rejected lookup tokens
         self.index: dict[int, _Index] = {}  # slot -> the request's tokens so far
@@ -97,19 +102,24 @@ class PromptLookup:
     def choose(self, lengths: torch.Tensor, cost) -> int:
         """K lookup tokens to verify this round (0: a plain step); cost: the policy's CostModel, None =
         verify every proposal."""
+        return self.best(lengths, cost)[0]
+
+    def best(self, lengths: torch.Tensor, cost) -> tuple[int, float | None]:
+        """-> (K, its expected commit rate over plain decoding's: 1.0 for K = 0; None without a cost model)."""
         lengths = host_values(lengths)  # built on the host (propose): no read
         L = max(lengths, default=0)
         if L == 0 or cost is None:
-            return L
+            return L, None if cost is None else 1.0
         N = len(lengths)
         a = self.accept_rate
-        best, best_rate = 0, N / cost.verify(N, 1)
+        best, plain = 0, N / cost.verify(N, 1)
+        best_rate = plain
         for k in range(1, L + 1):
             gain = sum(sum(a ** j for j in range(1, min(n, k) + 1)) for n in lengths)
             rate = (N + gain) / cost.verify(N, k + 1)
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        return best, best_rate / plain
 
     def observe(self, verified: torch.Tensor | list[int], accepted: torch.Tensor | list[int]) -> None:
         """verified, accepted [N]: lookup tokens each row verified and accepted (host lists: no read)."""
@@ -128,6 +138,6 @@ class PromptLookup:
 
     def to_dict(self) -> dict:
         return {"ngram": [self.sizes.start, self.sizes.stop - 1], "max_tokens": self.max_tokens,
-                "max_rows": self.max_rows,
+                "max_rows": self.max_rows, "first": self.first,
                 "rounds": self.rounds, "verified": self.verified, "accepted": self.accepted,
                 "accept_rate_estimate": round(self.accept_rate, 4)}

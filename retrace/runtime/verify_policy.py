@@ -55,6 +55,11 @@ class VerifyPolicy(Protocol):
         """Before drafting: how many draft slots can be useful this round (0 = no draft call)."""
         ...
 
+    def drafting_gain(self, mode: str) -> float | None:
+        """The expected commit rate over plain decoding's of this mode's recent drafted rounds (None: not
+        known; what runtime/proposers/lookup_first.py weighs prompt lookup against)."""
+        ...
+
     def choose(self, mode: str, draft_logits: torch.Tensor, drafts: torch.Tensor,
                q: list[torch.Tensor | None]) -> torch.Tensor:
         """After drafting: K per row [N] (int64, each <= drafts.shape[1], built with device.index_tensor:
@@ -87,6 +92,9 @@ class FixedPolicy:
 
     def plan(self, mode: str, rows: int) -> int:
         return self.block_size - 1
+
+    def drafting_gain(self, mode: str) -> float | None:
+        return None  # no cost model: the drafter always drafts
 
     def choose(self, mode, draft_logits, drafts, q):
         return index_tensor([drafts.shape[1]] * drafts.shape[0], drafts.device)
@@ -174,6 +182,9 @@ class AdaptivePolicy:
             st.off -= 1
             return 0
         return self.width.choose(mode, rows, self.cost)
+
+    def drafting_gain(self, mode: str) -> float | None:
+        return self._state(mode).gain
 
     def choose(self, mode, draft_logits, drafts, q):
         # on the device, up to the one read of the chosen K (and the gain) at the end

@@ -4,7 +4,7 @@ runtime has one, else none (plain decoding). `ar` mode never drafts."""
 
 from __future__ import annotations
 
-from retrace.runtime.proposers.base import NoProposer, Proposer
+from retrace.runtime.proposers.base import NoProposer, Proposer, RoundBatch
 
 
 class ProposerPlan:
@@ -12,11 +12,11 @@ class ProposerPlan:
         self.policy, self.drafter, self.lookup = policy, drafter, lookup
         self.none = NoProposer()
 
-    def pick(self, mode: str, rows: int) -> tuple[Proposer, int]:
+    def pick(self, batch: RoundBatch) -> tuple[Proposer, int]:
         """-> (the proposer, the draft slots it may fill)."""
-        if mode == "ar" or self.drafter is None:
+        if batch.mode == "ar" or self.drafter is None:
             return self.none, 0
-        slots = self.policy.plan(mode, rows)
+        slots = self.policy.plan(batch.mode, batch.rows)
         if slots > 0:
             return self.drafter, slots
         return self.lookup or self.none, 0
