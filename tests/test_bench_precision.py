@@ -30,7 +30,9 @@ def test_quantized_systems_are_named_by_precision():
     assert names == ["retrace-onnxruntime-ar-int4", "retrace-onnxruntime-dflash-int4",
                      "retrace-onnxruntime-retrace-int4", "retrace-onnxruntime-dflash-fixed-int4",
                      "retrace-onnxruntime-retrace-fixed-int4", "retrace-onnxruntime-dflash-lookup-int4",
-                     "retrace-onnxruntime-retrace-lookup-int4"]
+                     "retrace-onnxruntime-retrace-lookup-int4",
+                     "retrace-onnxruntime-dflash-lookup-first-int4",
+                     "retrace-onnxruntime-retrace-lookup-first-int4"]
     assert _retrace_names("onnxruntime", cfg) == []  # the fp32 names do not match *-int4
 
 

@@ -55,6 +55,25 @@ def test_the_number_verified_follows_the_cost_curve():
     assert lk.accept_rate < 0.1 and lk.choose(lengths, LinearCost(0.15, 1.0)) == 0  # it stops when it never hits
 
 
+def test_acceptance_is_kept_per_matched_ngram_size():
+    """A row's proposal is weighed by how often matches of its size were accepted: here 3-token matches
+    always, 1-token matches never."""
+    lk = PromptLookup(max_rows=2)
+    long, short = _Req([4, 5, 6, 7, 8, 4, 5, 6], slot=0), _Req([9, 3, 2, 1, 9], slot=1)
+    for _ in range(30):
+        drafts, lengths = lk.propose([long, short], 8)
+        assert lk._matched == [3, 1] and lengths.tolist() == [5, 4]
+        lk.observe([4, 4], [4, 0])
+    assert lk.size_rate(3) > 0.9 and lk.size_rate(1) < 0.1 and 0.7 < lk.accept_rate < 0.9  # pooled: 4 hits, 1 miss
+    cost = LinearCost(0.1, 1.0)
+    lk.propose([long], 8)
+    k_long, rate_long = lk.best(torch.tensor([5]), cost)
+    lk.propose([short], 8)
+    k_short, rate_short = lk.best(torch.tensor([4]), cost)
+    assert k_long == 5 and rate_long > 2.5 and (k_short, rate_short) == (0, 1.0)
+    assert lk.to_dict()["accept_rate_by_ngram"][3] > 0.9
+
+
 def _never_drafts(block_size):
     """Drafting never pays (a draft costs 50 verifies): after the first probe round the drafter sits out."""
     return AdaptivePolicy(block_size, LinearCost(0.1, 50.0), learn_cost=False)

@@ -9,7 +9,8 @@ edits, quoting and retrieval-heavy prompts repeat long spans. Verification is th
 for the drafter's tokens, so the output stays the target's own.
 
 How many lookup tokens a round verifies is cost-aware (`choose`): with a per-token acceptance estimate
-`a` (decayed hit/miss counts of earlier lookup rounds) and the policy's verify cost curve t(T), the
+`a` (decayed hit/miss counts of earlier lookup rounds, kept per matched n-gram size: a row's proposal is
+weighed by the rate of matches of its size) and the policy's verify cost curve t(T), the
 round verifies the K that maximises (N + sum over rows of a + ... + a^min(L_i, K)) / t(N, K + 1), L_i
 being row i's proposal length; K = 0 is a plain decoding step (a policy without a cost model verifies every
 proposal whole). Greedy rows only: a sampling row takes no lookup tokens (verified 0). Rounds of more
@@ -37,6 +38,7 @@ class _Index:
         self.sizes = sizes
         self.tokens: list[int] = []
         self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self.matched = 0  # the n-gram size of the last `find`'s match (0: none)
 
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
@@ -48,10 +50,12 @@ class _Index:
 
     def find(self, max_tokens: int) -> list[int]:
         L = len(self.tokens)
+        self.matched = 0
         for n in reversed(self.sizes):
             if L > n:
                 j = self.maps[n].get(tuple(self.tokens[L - n:]))
                 if j is not None:
+                    self.matched = n
                     return self.tokens[j:j + max_tokens]
         return []
 
@@ -69,12 +73,20 @@ class PromptLookup:
         self.first = first  # also before the drafter, where it is expected to pay more (proposers/lookup_first.py)
         self.decay = decay
         self.hits, self.misses = prior  # decayed counts of accepted / rejected lookup tokens
+        self.by_size = {n: list(prior) for n in self.sizes}  # the same per matched n-gram size (a longer match
+        #   is the likelier continuation): what `best` weighs each row's proposal by
+        self._matched: list[int] = []  # the matched size per row of the last `propose` (0: no proposal)
         self.index: dict[int, _Index] = {}  # slot -> the request's tokens so far
         self.rounds = self.verified = self.accepted = 0
 
     @property
     def accept_rate(self) -> float:
         return self.hits / (self.hits + self.misses)
+
+    def size_rate(self, n: int) -> float:
+        """The decayed per-token acceptance of proposals from an n-token match."""
+        hits, misses = self.by_size[n]
+        return hits / (hits + misses)
 
     def clear(self, slot: int) -> None:
         self.index.pop(slot, None)
@@ -86,13 +98,23 @@ class PromptLookup:
         seen = len(idx.tokens) - len(r.prompt_ids)
         idx.extend(r.prompt_ids if seen < 0 else [])
         idx.extend(r.output_ids[max(seen, 0):])
-        return idx.find(self.max_tokens)
+        found = idx.find(self.max_tokens)
+        self._matched.append(idx.matched)
+        return found
 
     def propose(self, reqs, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (drafts [N, L] int64 padded with 0, lengths [N]) from each greedy request's own tokens."""
+        self._matched = []
         if len(reqs) > self.max_rows:
+            self._matched = [0] * len(reqs)
             return torch.zeros(len(reqs), 0, dtype=torch.int64), torch.zeros(len(reqs), dtype=torch.int64)
-        props = [self._tokens(r)[:max_tokens] if r.params.temperature <= 0 else [] for r in reqs]
+        props = []
+        for r in reqs:
+            if r.params.temperature <= 0:
+                props.append(self._tokens(r)[:max_tokens])
+            else:
+                props.append([])
+                self._matched.append(0)
         L = max(len(p) for p in props)
         drafts = torch.zeros(len(reqs), L, dtype=torch.int64)
         for i, p in enumerate(props):
@@ -111,11 +133,12 @@ class PromptLookup:
         if L == 0 or cost is None:
             return L, None if cost is None else 1.0
         N = len(lengths)
-        a = self.accept_rate
+        sizes = self._matched if len(self._matched) == N else [0] * N  # lengths not from `propose`: pooled
+        a = [self.size_rate(m) if m else self.accept_rate for m in sizes]
         best, plain = 0, N / cost.verify(N, 1)
         best_rate = plain
         for k in range(1, L + 1):
-            gain = sum(sum(a ** j for j in range(1, min(n, k) + 1)) for n in lengths)
+            gain = sum(sum(ai ** j for j in range(1, min(n, k) + 1)) for n, ai in zip(lengths, a, strict=True))
             rate = (N + gain) / cost.verify(N, k + 1)
             if rate > best_rate:
                 best, best_rate = k, rate
@@ -132,6 +155,13 @@ class PromptLookup:
         misses = sum(a < v for v, a in on)
         self.hits = self.decay * self.hits + hits
         self.misses = self.decay * self.misses + misses
+        sizes = self._matched if len(self._matched) == len(verified) else [0] * len(verified)
+        for n in self.by_size:  # the rows of the proposal verified, by the size each matched at
+            rows = [(v, a) for v, a, m in zip(verified, accepted, sizes, strict=True) if v > 0 and m == n]
+            if rows:
+                c = self.by_size[n]
+                c[0] = self.decay * c[0] + sum(a for _, a in rows)
+                c[1] = self.decay * c[1] + sum(a < v for v, a in rows)
         self.rounds += 1
         self.verified += sum(verified)
         self.accepted += hits
@@ -140,4 +170,5 @@ class PromptLookup:
         return {"ngram": [self.sizes.start, self.sizes.stop - 1], "max_tokens": self.max_tokens,
                 "max_rows": self.max_rows, "first": self.first,
                 "rounds": self.rounds, "verified": self.verified, "accepted": self.accepted,
-                "accept_rate_estimate": round(self.accept_rate, 4)}
+                "accept_rate_estimate": round(self.accept_rate, 4),
+                "accept_rate_by_ngram": {n: round(self.size_rate(n), 4) for n in self.sizes}}
