@@ -47,7 +47,7 @@ class ReTraceConditioner(nn.Module):
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for lin in (self.refine, self.gate, self.value):
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale)
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g, device="cpu") * scale)
             self.gate.bias.fill_(self.gate_bias_init)
             self.value_norm.fill_(1.0)
             if init == "zero":
