@@ -22,7 +22,7 @@ from triton_fixtures import write_standin_bundle
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
-from retrace.runtime.device import read, resolve_device, resolve_dtype
+from retrace.runtime.device import CPU, read, resolve_device, resolve_dtype
 from retrace.runtime.torch_backend import TorchBackend
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -281,3 +281,16 @@ def test_the_cost_model_sees_the_stopwatchs_times(pair):
     assert seen and all(s == pytest.approx(1e-3) for s in seen), cost.to_dict()
     rounds = sched.stats["dflash"].rounds // 2  # both rows run every round (same length)
     assert rt.run_stats()["time"]["verify_s"] == pytest.approx(1e-3 * rounds)
+
+
+def test_to_device_keeps_values_and_dtype_and_ignores_the_default_device():
+    from retrace.runtime.device import to_device
+
+    torch.set_default_device("meta")  # a tensor built without naming its device would land here
+    try:
+        ints, floats, flags = to_device([[1, 2], [3, 4]], CPU), to_device([0.5], CPU, torch.float64), \
+            to_device([True, False], CPU)
+    finally:
+        torch.set_default_device(None)
+    assert ints.device == CPU and ints.dtype == torch.int64 and ints.tolist() == [[1, 2], [3, 4]]
+    assert floats.dtype == torch.float64 and flags.dtype == torch.bool and flags.tolist() == [True, False]

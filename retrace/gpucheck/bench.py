@@ -339,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m retrace.gpucheck.bench", description=__doc__.splitlines()[0])
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--dry-run", action="store_true", help="CPU, toy size, fp32 (what the test suite runs)")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                    help="the weights' dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     ap.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES) + " (default: the two Qwen3)")
     a = ap.parse_args(argv)
     a.outdir.mkdir(parents=True, exist_ok=True)
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available() and not a.dry_run
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = getattr(torch, a.dtype) if a.dtype else torch.bfloat16 if cuda else torch.float32
     shapes = a.shapes.split(",") if a.shapes else (["toy"] if a.dry_run else ["qwen3-8b", "qwen3-0.6b"])
     rep = Report(a.outdir / "gpu_bench.json", {"dry_run": a.dry_run, "device": str(device), "dtype": str(dtype),
                                                 "shapes": shapes, "torch": torch.__version__,

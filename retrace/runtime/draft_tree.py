@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from retrace.errors import RetraceError
-from retrace.runtime.device import host_values, read
+from retrace.runtime.device import host_values, read, to_device
 
 SOURCES = ("topk", "suffix", "target")
 SOURCE_BITS = {"topk": 1, "suffix": 2, "target": 4}
@@ -168,9 +168,9 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
         return [r[i] + [0] * (M - len(r[i])) for r in rows]
 
     dev = draft_probs.device  # built on the host, one copy per field to the device
-    fields = [torch.tensor(padded(i), dtype=torch.int64, device=dev) for i in range(4)]
-    score = torch.tensor(padded(4), dtype=torch.float64, device=dev)
-    size = torch.tensor([len(r[0]) for r in rows], dtype=torch.int64, device=dev)
+    fields = [to_device(padded(i), dev, torch.int64) for i in range(4)]
+    score = to_device(padded(4), dev, torch.float64)
+    size = to_device([len(r[0]) for r in rows], dev, torch.int64)
     return DraftTree(*fields, size, score)
 
 

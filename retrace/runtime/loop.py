@@ -31,7 +31,7 @@ import torch
 from retrace.errors import RetraceError
 from retrace.runtime.backend import Backend
 from retrace.runtime.detokenize import IncrementalText
-from retrace.runtime.device import device_of, index_tensor, read
+from retrace.runtime.device import device_of, index_tensor, read, to_device
 from retrace.runtime.draft_tree import SOURCES, SourceRates
 from retrace.runtime.host_threads import LoopThreads
 from retrace.runtime.modes import MODES  # re-exported (retrace.runtime.loop.MODES)
@@ -241,10 +241,10 @@ class Scheduler:
         dev = self.device
         lens = [len(r.prompt_ids) for r in reqs]
         T = max(lens)
-        ids = torch.tensor([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], device=dev)
+        ids = to_device([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], dev)
         positions = index_tensor([list(range(T))] * len(reqs), dev)
         slots = index_tensor([r.slot for r in reqs], dev)
-        logits, taps = self.backend.target(slots, ids, positions, torch.tensor(lens, device=dev).sub(1).unsqueeze(1))
+        logits, taps = self.backend.target(slots, ids, positions, to_device(lens, dev).sub(1).unsqueeze(1))
         logits = min_length(logits, reqs, self.eos_ids)
         first = self._sample_first(logits[:, 0], reqs)
         flags = pending_flags(reqs, first.device)  # sampling rows: whose distribution was no distribution

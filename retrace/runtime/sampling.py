@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from retrace.runtime.argmax_op import argmax as argmax_op
+from retrace.runtime.device import to_device
 from retrace.runtime.sampling_params import SamplingParams  # re-exported (defined without torch)
 
 
@@ -83,10 +84,10 @@ def mask_early_eos(logits: torch.Tensor, produced: list[int], min_tokens: list[i
     if not eos_ids or all(m <= n for m, n in zip(min_tokens, produced, strict=True)):
         return logits  # the common case, checked without tensors: every round calls this
     dev = logits.device
-    need = torch.tensor([m - n for m, n in zip(min_tokens, produced, strict=True)], device=dev)  # before EOS may come
+    need = to_device([m - n for m, n in zip(min_tokens, produced, strict=True)], dev)  # before EOS may come
     at = torch.arange(logits.shape[1], device=dev).unsqueeze(0) if offsets is None else offsets
     early = at < need.unsqueeze(1)  # [N, T]
-    eos = torch.tensor(sorted(eos_ids), device=dev)
+    eos = to_device(sorted(eos_ids), dev)
     out = logits.clone()
     out[..., eos] = out[..., eos].masked_fill(early.unsqueeze(-1), float("-inf"))
     return out

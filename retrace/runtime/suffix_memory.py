@@ -36,7 +36,7 @@ import torch
 from retrace.models.conditioner import FEATURES
 from retrace.models.drafter import SuffixInputs
 from retrace.runtime.backend import contiguous_range
-from retrace.runtime.device import host_values
+from retrace.runtime.device import host_values, to_device
 from retrace.runtime.draft_space import DraftSpace
 
 
@@ -218,7 +218,7 @@ class SuffixMemory:
     @property
     def position(self) -> torch.Tensor:
         """[slots] int64 the absolute position of each slot's new slot 0 (-1: no memory)."""
-        return torch.tensor(self._position, dtype=torch.int64, device=self._device)
+        return to_device(self._position, self._device, torch.int64)
 
     def _lookup(self, key: torch.Tensor | slice) -> tuple[torch.Tensor, ...]:
         """The alignment tables' rows for `key`: (old, corr, old [.., 1], keep, on, valid). A one-row key (a
@@ -239,7 +239,7 @@ class SuffixMemory:
         if host_accepted is None or host_verified is None:
             return accepted * B + verified.clamp_max(S - 1)
         keys = [a * B + min(k, S - 1) for a, k in zip(host_accepted, host_verified, strict=True)]
-        return slice(keys[0], keys[0] + 1) if len(keys) == 1 else torch.tensor(keys, device=accepted.device)
+        return slice(keys[0], keys[0] + 1) if len(keys) == 1 else to_device(keys, accepted.device)
 
     def _scored(self, accepted: list[int] | None, verified: list[int] | None, S: int, K: int) -> range | None:
         """The verify (and draft-logit) rows t = j - 1 whose features some row keeps, as one range (from the

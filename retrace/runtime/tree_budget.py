@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from retrace.runtime.device import to_device
 from retrace.runtime.draft_tree import DraftTree
 
 
@@ -41,7 +42,7 @@ def best_budget(tree: DraftTree, p: torch.Tensor, cost) -> tuple[int, float, flo
     """-> (b*, its rate in tokens/s, the plain-decoding rate N / t_verify(N, 1)) for the rows of the tree."""
     N, M = tree.tokens.shape
     gain = expected_accepted(tree, p)
-    t_verify = torch.tensor([cost.verify(N, b) for b in range(1, M + 1)], dtype=torch.float64, device=p.device)
+    t_verify = to_device([cost.verify(N, b) for b in range(1, M + 1)], p.device, torch.float64)
     rate = (N + gain) / (cost.draft(N) + t_verify)
     best = int(rate.argmax())
     return best + 1, float(rate[best]), N / float(t_verify[0])

@@ -40,7 +40,7 @@ import torch
 from retrace.errors import RetraceError
 from retrace.runtime.calibration import Calibration
 from retrace.runtime.cost_model import CostModel, probe
-from retrace.runtime.device import index_tensor, read
+from retrace.runtime.device import index_tensor, read, to_device
 from retrace.runtime.draft_tree import DraftTree
 from retrace.runtime.draft_width import DraftWidth
 from retrace.runtime.tree_budget import best_budget, node_outcomes
@@ -138,7 +138,7 @@ def _row_groups(q: list[torch.Tensor | None]) -> dict[bool, list[int]]:
 
 def _take(rows: list[int], n: int, device) -> slice | torch.Tensor:
     """An index for `rows` of n: every row as a view, else an index tensor."""
-    return slice(None) if len(rows) == n else torch.tensor(rows, device=device)
+    return slice(None) if len(rows) == n else to_device(rows, device)
 
 
 @dataclass
@@ -198,7 +198,7 @@ class AdaptivePolicy:
         self._last = (conf, groups)
         gain = torch.cat([torch.zeros(N, 1, dtype=torch.float64, device=dev), p.cumprod(1).cumsum(1)], 1)  # E[a | K]
         t_draft = self.cost.draft(N, S)
-        t_verify = torch.tensor([self.cost.verify(N, k + 1) for k in range(S + 1)], dtype=torch.float64, device=dev)
+        t_verify = to_device([self.cost.verify(N, k + 1) for k in range(S + 1)], dev, torch.float64)
         t_round = t_draft + t_verify
         rate = (N + gain.sum(0)) / t_round
         best = rate.argmax()

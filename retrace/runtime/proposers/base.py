@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from retrace.runtime.device import index_tensor
+from retrace.runtime.device import index_tensor, to_device
 from retrace.runtime.draft_space import DraftSpace
 from retrace.runtime.draft_tree import DraftTree
 
@@ -36,7 +36,7 @@ class RoundBatch:
     def of(cls, reqs: list, device: torch.device) -> RoundBatch:
         anchor_host = [r.anchor_pos for r in reqs]
         return cls(reqs, reqs[0].mode, index_tensor([r.slot for r in reqs], device),
-                   torch.tensor([r.anchor for r in reqs], device=device), index_tensor(anchor_host, device),
+                   to_device([r.anchor for r in reqs], device), index_tensor(anchor_host, device),
                    anchor_host)
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from retrace.runtime.device import to_device
 from retrace.runtime.draft_tree import SOURCES, SourceRates, build_trees
 from retrace.runtime.proposers.base import Proposal, RoundBatch
 from retrace.runtime.proposers.chain import DrafterCall
@@ -29,7 +30,7 @@ class DrafterTree:
         hidden, draft_logits, top1, q, context = self.drafter(batch, S)
         drafted = self.clock.mark()
         sampling = [qi is not None for qi in q]
-        sampled = (torch.where(torch.tensor(sampling, device=batch.device).unsqueeze(1), top1, -1)
+        sampled = (torch.where(to_device(sampling, batch.device).unsqueeze(1), top1, -1)
                    if any(sampling) else None)
         space = self.drafter.space  # the tree's sources and nodes are target ids: its distribution is over V
         probs = space.logits_full(draft_logits).float().softmax(-1)
