@@ -22,7 +22,7 @@ from triton_fixtures import write_standin_bundle
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
-from retrace.runtime.device import CPU, read, resolve_device, resolve_dtype
+from retrace.runtime.device import CPU, read, resolve_device, resolve_dtype, to_device
 from retrace.runtime.torch_backend import TorchBackend
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -284,8 +284,6 @@ def test_the_cost_model_sees_the_stopwatchs_times(pair):
 
 
 def test_to_device_keeps_values_and_dtype_and_ignores_the_default_device():
-    from retrace.runtime.device import to_device
-
     torch.set_default_device("meta")  # a tensor built without naming its device would land here
     try:
         ints, floats, flags = to_device([[1, 2], [3, 4]], CPU), to_device([0.5], CPU, torch.float64), \

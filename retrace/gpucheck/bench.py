@@ -346,10 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     a.outdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from retrace.gpucheck.record import Report, log
+    from retrace.runtime.device import resolve_dtype
 
     cuda = torch.cuda.is_available() and not a.dry_run
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = getattr(torch, a.dtype) if a.dtype else torch.bfloat16 if cuda else torch.float32
+    dtype = resolve_dtype(a.dtype) if a.dtype else torch.bfloat16 if cuda else torch.float32
     shapes = a.shapes.split(",") if a.shapes else (["toy"] if a.dry_run else ["qwen3-8b", "qwen3-0.6b"])
     rep = Report(a.outdir / "gpu_bench.json", {"dry_run": a.dry_run, "device": str(device), "dtype": str(dtype),
                                                 "shapes": shapes, "torch": torch.__version__,
