@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,3 +41,45 @@ def test_gpu_bench_dry_run(tmp_path):
     graphs = r["drafter1"]["graphs"]  # the CPU: no CUDA graphs; the padded steps eagerly, the same tokens
     assert set(graphs) == {"unpadded_eager", "padded_eager", "same_tokens"} and graphs["same_tokens"]
     assert graphs["padded_eager"]["buckets"] >= 3 and graphs["padded_eager"]["captures"] == 0
+
+
+def _ev(name, parent=None, stack=()):
+    return SimpleNamespace(name=name, cpu_parent=parent, stack=list(stack))
+
+
+def test_sync_sources_attributes_each_sync_to_its_retrace_line():
+    from retrace.gpucheck.bench import sync_sources
+
+    # torch 2.11 style: the frames in the aten op's stack (innermost first; a torch frame before ours)
+    item = _ev("aten::_local_scalar_dense", _ev("aten::item"),
+               ["torch/_tensor.py(40): item", "/work/main/retrace/runtime/loop.py(10): step",
+                "retrace/runtime/runtime.py(3): generate"])
+    # torch 2.13 style: the frames are events in the cpu_parent chain; HostReads' frame is skipped
+    caller = _ev("retrace/runtime/device.py(5): to_device", _ev("retrace/runtime/loop.py(99): step"))
+    copy = _ev("aten::copy_", _ev("aten::to", _ev("retrace/gpucheck/bench.py(142): __torch_function__", caller)))
+    events = [_ev("cudaStreamSynchronize", item), _ev("aten::mm"), _ev("cudaStreamSynchronize", copy),
+              _ev("cudaStreamSynchronize", item), _ev("cudaDeviceSynchronize")]
+    assert sync_sources(events, rounds=2) == [
+        {"kind": "cudaStreamSynchronize", "op": "aten::_local_scalar_dense", "where": "retrace/runtime/loop.py:10 step",
+         "per_round": 1.0},
+        {"kind": "cudaStreamSynchronize", "op": "aten::copy_", "where": "retrace/runtime/device.py:5 to_device",
+         "per_round": 0.5},
+        {"kind": "cudaDeviceSynchronize", "op": "(no aten op)", "where": "(no python frame)", "per_round": 0.5}]
+    # memcpy: counted under a blocking copy op only; frames outside the package (a checkout named retrace) ignored
+    venv = _ev("aten::add", None, ["/home/u/retrace/.venv/lib/site-packages/torch/x.py(1): f"])
+    memcpys = [_ev("cudaMemcpyAsync", copy), _ev("cudaMemcpyAsync", venv), _ev("cudaLaunchKernel", copy)]
+    assert sync_sources(memcpys, rounds=1, top=5) == [
+        {"kind": "cudaMemcpyAsync", "op": "aten::copy_", "where": "retrace/runtime/device.py:5 to_device",
+         "per_round": 1.0}]
+
+
+def test_sync_sources_on_a_real_cpu_profile():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from retrace.gpucheck.bench import sync_sources
+
+    x = torch.randn(8, 8)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        (x @ x).sum().item()
+    assert sync_sources(prof.events(), rounds=1) == []  # no Synchronize events on the CPU

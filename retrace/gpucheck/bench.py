@@ -9,7 +9,8 @@ drafter with a ReTrace conditioner; `--dry-run`: the same steps on the CPU at to
              (gpucheck/static_reference.py: what vLLM, SGLang and gpt-fast do), (b) transformers' eager
              greedy decode, (c) the bandwidth roofline: one read of every weight, timed;
   profile    per round: kernel launches and synchronisations (torch.profiler), host reads and the bytes
-             they bring back (every conversion of a tensor to host values, counted);
+             they bring back (every conversion of a tensor to host values, counted), and sync_sources: each
+             synchronisation (and blocking copy) by aten op and the retrace line that asked for it;
   graphs     (the first drafter) the same calls and rounds with the steps captured as CUDA graphs per bucket
              (the backend's default on CUDA), padded but eager, and unpadded (runtime/step_buckets.py,
              runtime/cuda_graphs.py): times, captures, replays, and whether the tokens agree.
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -165,8 +168,66 @@ def run_rounds(backend, prompts, mode, policy, new_tokens, device) -> dict:
             "tau": st["tau"], "rounds": rounds, "tokens": st["tokens"], "token_ids": [r.token_ids for r in res]}
 
 
+BLOCKING_COPY_OPS = ("aten::_local_scalar_dense", "aten::copy_", "aten::_to_copy", "aten::item")
+_FRAME = re.compile(r"^(.+)\((\d+)\): (.+)$")  # "path/to/retrace/runtime/loop.py(123): fn_name"
+_SKIP_FRAMES = ("retrace/gpucheck/bench.py",)  # HostReads.__torch_function__ sits under every host read
+
+
+def _retrace_frame(frame: str) -> str | None:
+    """'.../retrace/runtime/loop.py(123): fn' -> 'retrace/runtime/loop.py:123 fn'; None outside the package."""
+    m = _FRAME.match(frame.strip())
+    if not m:
+        return None
+    parts = m.group(1).replace("\\", "/").split("/")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] != "retrace":
+            continue
+        tail = parts[i + 1:]
+        if tail and not any(t.startswith(".") or t in ("site-packages", "dist-packages") for t in tail):
+            path = "/".join(parts[i:])
+            return None if path in _SKIP_FRAMES else f"{path}:{m.group(2)} {m.group(3)}"
+        return None
+    return None
+
+
+def sync_sources(events, rounds: int, top: int = 12) -> list[dict]:
+    """Where the synchronisations come from: [{kind, op, where, per_round}], the `top` most frequent.
+
+    `events`: profiler events (or stand-ins) with `name`, `cpu_parent` and `stack` only (torch 2.11 and 2.13
+    agree on those). Counted: every event named *Synchronize*, and every cudaMemcpy* whose innermost aten op
+    is a blocking copy (BLOCKING_COPY_OPS: a pageable host-to-device copy waits without a Synchronize event).
+    op: the innermost enclosing aten op; where: the innermost frame in the retrace package, read from the
+    events' `stack` lists (innermost first) or from the Python-function events in the `cpu_parent` chain
+    (with_stack=True in torch 2.13 records frames as events); "(no python frame)" when there is none.
+    """
+    counts: Counter = Counter()
+    for e in events:
+        name = e.name
+        if "Synchronize" not in name and not name.startswith("cudaMemcpy"):
+            continue
+        op = where = None
+        node, depth = e, 0
+        while node is not None and depth < 1000:
+            if node is not e and op is None and node.name.startswith("aten::"):
+                op = node.name
+            if where is None:
+                for frame in [*(getattr(node, "stack", None) or ()), node.name]:
+                    where = _retrace_frame(frame)
+                    if where:
+                        break
+            if op is not None and where is not None:
+                break
+            node, depth = node.cpu_parent, depth + 1
+        if "Synchronize" not in name and op not in BLOCKING_COPY_OPS:
+            continue
+        counts[(name, op or "(no aten op)", where or "(no python frame)")] += 1
+    return [{"kind": k, "op": o, "where": w, "per_round": round(n / max(1, rounds), 2)}
+            for (k, o, w), n in counts.most_common(top)]
+
+
 def profile_round(backend, prompts, mode, policy, new_tokens, device) -> dict:
-    """Per round: kernel launches and synchronisations (CUDA; on the CPU: aten ops), host reads and bytes."""
+    """Per round: kernel launches and synchronisations (CUDA; on the CPU: aten ops), host reads and bytes;
+    sync_sources: where each synchronisation comes from (sync_sources(); sync_sources_error if that failed)."""
     from torch.profiler import ProfilerActivity, profile
 
     from retrace.runtime import SamplingParams
@@ -176,17 +237,22 @@ def profile_round(backend, prompts, mode, policy, new_tokens, device) -> dict:
     rt.reset_stats()
     reads = HostReads()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof, reads:
+    with profile(activities=acts, with_stack=True) as prof, reads:
         rt.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), mode)
     rounds = max(1, rt.run_stats()["rounds"] // len(prompts))
     names = [e.name for e in prof.events()]
     launches = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch") for n in names)
     syncs = sum("Synchronize" in n for n in names)
     aten = sum(n.startswith("aten::") for n in names)
-    return {"rounds": rounds, "kernel_launches_per_round": round(launches / rounds, 1),
-            "synchronizations_per_round": round(syncs / rounds, 2), "aten_ops_per_round": round(aten / rounds, 1),
-            "host_reads_per_round": round(reads.count / rounds, 2),
-            "host_read_bytes_per_round": round(reads.bytes / rounds, 1)}
+    out = {"rounds": rounds, "kernel_launches_per_round": round(launches / rounds, 1),
+           "synchronizations_per_round": round(syncs / rounds, 2), "aten_ops_per_round": round(aten / rounds, 1),
+           "host_reads_per_round": round(reads.count / rounds, 2),
+           "host_read_bytes_per_round": round(reads.bytes / rounds, 1)}
+    try:
+        out["sync_sources"] = sync_sources(prof.events(), rounds)
+    except Exception as e:  # noqa: BLE001 - the profiler's event API moves between torch versions
+        out["sync_sources_error"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def call_timings(backend, device, repeats: int, past: int) -> dict:
