@@ -188,7 +188,7 @@ main.add_command(eval_cmd)
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
           no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy,
           tree_budget, tree_sources, prompt_lookup, tree_fixed, markdown_out, device, dtype, compile_steps,
-          no_cuda_graphs, no_row_invariance, from_json, weights) -> None:
+          no_cuda_graphs, row_invariance, from_json, weights) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -202,7 +202,7 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
                   tree_fixed=tree_fixed, prompt_lookup=bool(prompt_lookup), weights=weights, device=device, dtype=dtype,
                   compile_steps=compile_steps, cuda_graphs=False if no_cuda_graphs else None,
-                  row_invariant=not no_row_invariance)
+                  row_invariant=row_invariance is not False)
 
 
 from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)

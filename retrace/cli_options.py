@@ -54,11 +54,13 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
         is_flag=True, help="run the torch backend's target and drafter steps under torch.compile(fullgraph=True)")),
     "cuda_graphs": ("no_cuda_graphs", "--no-cuda-graphs", dict(
         is_flag=True, help="on CUDA, run the torch backend's steps eagerly instead of as captured CUDA graphs")),
-    "row_invariant": ("no_row_invariance", "--no-row-invariance", dict(
-        is_flag=True, help="an ONNX Runtime bundle's target calls at their own widths: a faster decode step (int4: "
-                           "the row-invariant step measured 1.2-1.5x the plain one), but a verify row may then "
-                           "differ from it in the last bits, so speculative output can leave plain decoding's at "
-                           "near ties (runtime/row_invariance.py)")),
+    "row_invariant": ("row_invariance", "--row-invariance/--no-row-invariance", dict(
+        default=None, help="target calls padded to shapes whose rows the kernels compute alike, so a verify row "
+                           "equals the decode step bit for bit and speculative output equals plain decoding's "
+                           "even at near ties. Off: each call at its own width, a faster decode step (int4 ONNX "
+                           "Runtime: the row-invariant step measured 1.2-1.5x the plain one; torch on the CPU: "
+                           "every call at 16 rows)", note="[default: on for a bundle and on CUDA, off for torch "
+                                                           "on the CPU]")),
 }
 
 SOURCE_OPTIONS = [  # where the runtime comes from (not RuntimeOptions: they pick the backend and its files)
@@ -108,7 +110,7 @@ def options_from_flags(values: dict):
             given[field] = values[param]
     if "prompt_lookup" in given:  # --prompt-lookup [on|first]
         given["prompt_lookup"] = {None: False, "on": True}.get(given["prompt_lookup"], given["prompt_lookup"])
-    for name in ("verify_bundle", "cuda_graphs", "row_invariant"):  # "--no-" flags: off when given, else the default
+    for name in ("verify_bundle", "cuda_graphs"):  # "--no-" flags: off when given, else the default
         if name in given:
             given[name] = False if given[name] else None
     try:

@@ -116,8 +116,8 @@ def test_the_runtime_flags_are_declared_once():
     declared = {c: {p.opts[0]: p for p in cmd.params} for c, cmd in commands.items()}
     for param, flag, kw in FLAGS.values():
         for c in ("generate", "serve"):
-            p = declared[c][flag]
-            assert p.name == param and p.is_flag == kw.get("is_flag", False)
+            p = declared[c][flag.split("/")[0]]  # "--on/--off": a boolean flag pair, declared by its first
+            assert p.name == param and p.is_flag == (kw.get("is_flag", False) or "/" in flag)
             assert "default" not in kw or p.default == kw["default"]
     for c, fields in (("bench", ("threads", "verify_policy", "tree_budget", "tree_sources", "prompt_lookup",
                                  "device", "dtype", "compile")),

@@ -86,10 +86,8 @@ class Runtime:
                   options: RuntimeOptions | None = None, **option_kwargs) -> Runtime:
         """The torch backend on a Qwen3 target directory and a DFlash drafter directory. options (or its
         fields as keyword arguments): max_batch / max_seq_len (default 8 / 2048), threads, device, dtype,
-        compile (runtime/options.py), and the round's options."""
+        compile, row_invariant (runtime/options.py), and the round's options."""
         opts = RuntimeOptions.of(options, **option_kwargs)
-        if opts.row_invariant is not None:
-            raise RetraceError("row_invariant (--no-row-invariance) applies to an ONNX Runtime bundle (--engine)")
         if backend != "torch":
             raise RetraceError(f"backend {backend!r} runs from an engine bundle (retrace-export build); "
                                "with --target/--drafter use the torch backend")
@@ -98,7 +96,7 @@ class Runtime:
         be = TorchBackend.from_dirs(target_dir, drafter_dir, max_batch=opts.max_batch or DIRS_MAX_BATCH,
                                     max_seq_len=opts.max_seq_len or DIRS_MAX_SEQ_LEN, threads=opts.threads,
                                     device=opts.device, dtype=opts.dtype, compile=opts.compile,
-                                    cuda_graphs=opts.cuda_graphs)
+                                    cuda_graphs=opts.cuda_graphs, row_invariant=opts.row_invariant)
         return cls(be, TextCodec.find(target_dir), opts)
 
     @classmethod
@@ -115,7 +113,8 @@ class Runtime:
         if opts.cuda_graphs:
             raise RetraceError("cuda_graphs applies to the torch backend (--target/--drafter), not to a bundle")
         if opts.row_invariant is not None and backend != "onnxruntime":
-            raise RetraceError("row_invariant (--no-row-invariance) applies to the onnxruntime backend")
+            raise RetraceError("row_invariant (--row-invariance / --no-row-invariance) applies to an onnxruntime "
+                               "bundle or the torch backend")
         extra = _bundle_device(backend, opts.device, opts.dtype)
         given = {"max_batch": opts.max_batch, "max_seq_len": opts.max_seq_len, "threads": opts.threads,
                  "verify": opts.verify_bundle, "row_invariant": opts.row_invariant}

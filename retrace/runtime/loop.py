@@ -244,7 +244,7 @@ class Scheduler:
         ids = to_device([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], dev)
         positions = index_tensor([list(range(T))] * len(reqs), dev)
         slots = index_tensor([r.slot for r in reqs], dev)
-        logits, taps = self.backend.target(slots, ids, positions, to_device(lens, dev).sub(1).unsqueeze(1))
+        logits, taps = self.backend.target(slots, ids, positions, index_tensor([[n - 1] for n in lens], dev))
         logits = min_length(logits, reqs, self.eos_ids)
         first = self._sample_first(logits[:, 0], reqs)
         flags = pending_flags(reqs, first.device)  # sampling rows: whose distribution was no distribution

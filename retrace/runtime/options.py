@@ -64,8 +64,9 @@ class RuntimeOptions:
     #   (runtime/cuda_graphs.py); None: on CUDA, off elsewhere; True without CUDA: an error; refused for a bundle
     verify_bundle: bool | None = None  # re-hash a bundle's files on load; None: unless RETRACE_VERIFY_BUNDLE=0
     #   (sizes are always checked)
-    row_invariant: bool | None = None  # an ONNX Runtime bundle's calls padded to widths whose rows the kernels
-    #   compute alike, so verify rows equal the decode step bit for bit (runtime/row_invariance.py); None: on
+    row_invariant: bool | None = None  # target calls padded to shapes whose rows the kernels compute alike, so
+    #   verify rows equal the decode step bit for bit: an ONNX Runtime bundle's (runtime/row_invariance.py; None:
+    #   on) and the torch backend's (runtime/torch_backend.py; None: on CUDA, off on the CPU)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -12,6 +12,18 @@ bucket (runtime/step_buckets.py) are padded to it and run the slot-index steps o
 scratch slot and scratch columns past max_seq_len take the padding), through runtime/cuda_graphs.py: one
 CUDA graph per bucket on CUDA (`cuda_graphs`, default on there), eagerly elsewhere. Prefill and wider calls
 run the window steps as before.
+
+Row invariance (`row_invariant`, default on CUDA): every target call of up to 16 tokens is padded to the one
+widest bucket (max_batch rows x 16 columns), and a wider call (a prefill) runs row by row over each row's
+tokens up to its last logits row. A matmul's kernel is chosen by its shape, and kernels of different shapes
+round differently, so without it a verify row and the decode step of the same token can differ in the last
+bits: on CPU fp32 (MKL) a T=1 row differs from the same row of every T >= 3 call, and on an H200 in bf16
+speculative output parted from plain decoding's at near ties (docs/gpu/gpu-bench-2026-12-04.md). With one
+shape per call every row is computed by the same kernel whatever else the call holds, so greedy speculative
+decoding reproduces plain decoding bit for bit (runtime/row_invariance.py `rows_matching_decodes` checks it
+on any backend). The cost is the rows a call computes: small where a step is bound by reading the weights
+(a GPU at batch 1: T=16 measured 1.16x T=1 at the Qwen3-8B shape), large on a CPU (fp32 T=16 1.6-1.9x T=1),
+so it is off on the CPU unless asked for.
 """
 
 from __future__ import annotations
@@ -29,8 +41,16 @@ from retrace.models.target import Qwen3Target
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.compiled_step import CompiledStep, TwoRowDecode
 from retrace.runtime.cuda_graphs import CUDAGraphSteps, steps_runner
-from retrace.runtime.device import host_values, resolve_device, resolve_dtype
-from retrace.runtime.step_buckets import SCRATCH_COLUMNS, Bucket, batch_bucket, pad_draft, pad_target, verify_width
+from retrace.runtime.device import host_values, index_tensor, resolve_device, resolve_dtype
+from retrace.runtime.step_buckets import (
+    SCRATCH_COLUMNS,
+    VERIFY_WIDTHS,
+    Bucket,
+    batch_bucket,
+    pad_draft,
+    pad_target,
+    verify_width,
+)
 
 
 class KVCache:
@@ -98,13 +118,15 @@ class TorchBackend:
 
     def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None, max_batch: int = 8,
                  max_seq_len: int = 2048, threads: int | None = None, device: torch.device | str | None = None,
-                 compile: bool | str = False, cuda_graphs: bool | None = None, static_shapes: bool | None = None):
+                 compile: bool | str = False, cuda_graphs: bool | None = None, static_shapes: bool | None = None,
+                 row_invariant: bool | None = None):
         """device: where the caches and every tensor in and out live (default: the target's); the models
         must be there already (`from_dirs` puts them there). compile: run the target's and the drafter's
         steps under torch.compile(fullgraph=True) (True = inductor; or a compiler name of
         runtime/compiled_step.py; False: eager). cuda_graphs: capture the padded steps as CUDA graphs (None:
         on CUDA only; True elsewhere: an error). static_shapes: pad calls to the step buckets (None: when
-        CUDA graphs are on; True on the CPU runs the same padded steps eagerly)."""
+        CUDA graphs are on; True on the CPU runs the same padded steps eagerly). row_invariant: every target
+        call at one shape (see above; None: on CUDA only; it needs the padded steps)."""
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device) if device is not None else target.lm_head.weight.device
@@ -123,7 +145,12 @@ class TorchBackend:
         if not self.padded_steps and (cuda_graphs or static_shapes):
             raise RetraceError(f"{type(self).__name__} has no padded steps (no static shapes, no CUDA graphs)")
         self.runner = steps_runner(self.device, cuda_graphs if self.padded_steps else False)
-        self.static_shapes = isinstance(self.runner, CUDAGraphSteps) if static_shapes is None else static_shapes
+        self.row_invariant = self.device.type == "cuda" if row_invariant is None else bool(row_invariant)
+        if self.row_invariant and (static_shapes is False or not self.padded_steps):
+            raise RetraceError("row invariance pads every target call to one shape: it needs the padded steps "
+                               "(static_shapes); turn one of the two off")
+        self.static_shapes = (isinstance(self.runner, CUDAGraphSteps) or self.row_invariant
+                              if static_shapes is None else static_shapes)
         self.window_step = None if self.static_shapes else WINDOW_STEP  # buckets of captured shapes: powers of two
         # static shapes: one scratch slot (row max_batch) for padded rows, scratch columns for padded columns
         slots, extra = (max_batch + 1, SCRATCH_COLUMNS) if self.static_shapes else (max_batch, 0)
@@ -197,8 +224,12 @@ class TorchBackend:
     @torch.inference_mode()
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         T = input_ids.shape[1]
+        if self.row_invariant and T > VERIFY_WIDTHS[-1] and tree_mask is None and _ragged(logits_index, T):
+            return self._rows_alone(slots, input_ids, positions, logits_index)
         width = window_width(max(row[0] for row in host_values(positions)) + T, self.max_seq_len, self.window_step)
         padded = verify_width(T) if self.static_shapes else None
+        if padded is not None and self.row_invariant:  # every call of up to 16 tokens at the one widest shape
+            padded = VERIFY_WIDTHS[-1]
         if padded is not None:
             return self._padded_target(width, padded, slots, input_ids, positions, logits_index, tree_mask)
         kw, vw, is_view = self.tcache.window(slots, width)
@@ -212,10 +243,26 @@ class TorchBackend:
             self.tcache.write_back(slots, written, kw, vw)
         return logits.float(), taps
 
+    def _rows_alone(self, slots, input_ids, positions, logits_index):
+        """Row invariance for a call wider than every bucket (a prefill): each row alone, over its tokens up to
+        its last logits row (a batched prefill's pad tokens are not run: their K/V lie past the row's length,
+        where nothing reads), so a row's bits do not depend on the prompts prefilled beside it."""
+        slot_ids, pos, index = host_values(slots), host_values(positions), host_values(logits_index)
+        logits, taps = [], None
+        for i, row in enumerate(index):
+            end = max(row) + 1
+            out = self.target(index_tensor([slot_ids[i]], self.device), input_ids[i:i + 1, :end],
+                              index_tensor([pos[i][:end]], self.device), index_tensor([row], self.device))
+            logits.append(out[0])
+            if taps is None:
+                taps = out[1].new_zeros(len(index), input_ids.shape[1], *out[1].shape[2:])
+            taps[i, :end] = out[1][0]
+        return torch.cat(logits), taps
+
     def _padded_target(self, window, width, slots, input_ids, positions, logits_index, tree_mask):
         """A target call padded to its bucket, run by the runner (a CUDA graph per bucket on CUDA)."""
         N, K = len(slots), logits_index.shape[1]
-        rows = batch_bucket(N, self.max_batch)
+        rows = self.max_batch if self.row_invariant else batch_bucket(N, self.max_batch)
         slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
                                                                                logits_index, tree_mask)
         inputs = pad_target(slots, input_ids, positions, logits_index, tree_mask, rows, width,
@@ -267,6 +314,12 @@ class TorchBackend:
 
     def release(self, slot: int) -> None:
         pass
+
+
+def _ragged(logits_index: torch.Tensor, T: int) -> bool:
+    """Whether a call is more than one row whose every token is real (rows, or tokens past the last logits row)."""
+    index = host_values(logits_index)
+    return len(index) > 1 or max(index[0]) + 1 < T
 
 
 def _slot_draft(drafter, rope, k_cache, v_cache, *, width, offset, suffix=None, **inputs):
