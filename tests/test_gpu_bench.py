@@ -41,6 +41,9 @@ def test_gpu_bench_dry_run(tmp_path):
     graphs = r["drafter1"]["graphs"]  # the CPU: no CUDA graphs; the padded steps eagerly, the same tokens
     assert set(graphs) == {"unpadded_eager", "padded_eager", "same_tokens"} and graphs["same_tokens"]
     assert graphs["padded_eager"]["buckets"] >= 3 and graphs["padded_eager"]["captures"] == 0
+    inv = r["drafter1"]["row_invariance"]  # on: every verify row the decode step's bits; lossless both ways here
+    assert all(int(w) == n for w, n in inv["on"]["rows_matching_decodes"].items())
+    assert all(t["lossless"] for side in ("on", "off") for t in inv[side]["controlled_tau_k15"].values())
 
 
 def _ev(name, parent=None, stack=()):

@@ -13,7 +13,9 @@ drafter with a ReTrace conditioner; `--dry-run`: the same steps on the CPU at to
              synchronisation (and blocking copy) by aten op and the retrace line that asked for it;
   graphs     (the first drafter) the same calls and rounds with the steps captured as CUDA graphs per bucket
              (the backend's default on CUDA), padded but eager, and unpadded (runtime/step_buckets.py,
-             runtime/cuda_graphs.py): times, captures, replays, and whether the tokens agree.
+             runtime/cuda_graphs.py): times, captures, replays, and whether the tokens agree;
+  row_invariance  (the first drafter) every target call at one shape (the default on CUDA) against each call
+             at its own width: bit-identical verify rows, plain decoding's cost, lossless at controlled tau.
 OUTDIR/gpu_bench.json is rewritten after every section.
 """
 
@@ -329,10 +331,11 @@ def graphs_section(target, drafter, prompts, new: int, max_len: int, device, rep
     """The backend's steps as CUDA graphs (CUDA only), padded to their buckets but eager, and unpadded."""
     from retrace.runtime.torch_backend import TorchBackend
 
-    variants = {"unpadded_eager": dict(cuda_graphs=False, static_shapes=False),
-                "padded_eager": dict(cuda_graphs=False, static_shapes=True)}
+    variants = {"unpadded_eager": dict(cuda_graphs=False, static_shapes=False),  # each call at its own width
+                "padded_eager": dict(cuda_graphs=False, static_shapes=True)}         # (row invariance: its section)
     if device.type == "cuda":
         variants["cuda_graphs"] = dict(cuda_graphs=True)
+    variants = {name: {**kw, "row_invariant": False} for name, kw in variants.items()}
     out, tokens = {}, {}
     for name, kw in variants.items():
         be = TorchBackend(target, drafter, max_batch=1, max_seq_len=max_len, device=device, **kw)
@@ -351,6 +354,33 @@ def graphs_section(target, drafter, prompts, new: int, max_len: int, device, rep
     return out
 
 
+def invariance_section(target, drafter, prompts, new: int, max_len: int, device, seq_of) -> dict:
+    """Row invariance on (the backend's default on CUDA) against off (runtime/torch_backend.py): whether a
+    verify row is the decode step's bits (`rows_matching_decodes`, T = 2..16 after a 100-token past), what
+    plain decoding costs, and whether speculative output at controlled tau equals plain decoding's."""
+    from retrace.runtime.row_invariance import rows_matching_decodes
+    from retrace.runtime.torch_backend import TorchBackend
+
+    out, ar_tokens = {}, {}
+    for name, on in (("on", True), ("off", False)):
+        two = TorchBackend(target, drafter, max_batch=2, max_seq_len=max_len, device=device, row_invariant=on)
+        rows = rows_matching_decodes(two, widths=(2, 3, 4, 8, 9, 16), prefill=min(100, max_len - 32))
+        del two
+        be = TorchBackend(target, drafter, max_batch=1, max_seq_len=max_len, device=device, row_invariant=on)
+        ar = run_rounds(be, prompts, "ar", "fixed", new, device)
+        ar_tokens[name] = ar["token_ids"]
+        taus = {}
+        for tau in TAUS[1:]:
+            r = run_rounds(PrepassDrafts(be, seq_of(ar), tau), prompts, "retrace", FixedK(16, 15), new, device)
+            taus[str(tau)] = {"ms_per_token": r["ms_per_token"], "tau": r["tau"],
+                              "lossless": r["token_ids"] == ar["token_ids"]}
+        out[name] = {"rows_matching_decodes": {str(w): n for w, n in rows.items()},
+                     "ar_ms_per_token": ar["ms_per_token"], "controlled_tau_k15": taus}
+        del be
+    out["ar_same_tokens_on_and_off"] = ar_tokens["on"] == ar_tokens["off"]
+    return out
+
+
 # -- the sections -----------------------------------------------------------------------------------------
 def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> None:
     from retrace.runtime.torch_backend import TorchBackend
@@ -363,7 +393,8 @@ def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> N
     for draft_layers in ((1, 2) if dry else (5, 1)):
         target, drafter = build_pair(shape, draft_layers, device, dtype)
         max_len = len(prompts[0]) + new + 64
-        be = TorchBackend(target, drafter, max_batch=1, max_seq_len=max_len, device=device)
+        # row invariance on as on CUDA by default (the dry run on the CPU too: the same steps)
+        be = TorchBackend(target, drafter, max_batch=1, max_seq_len=max_len, device=device, row_invariant=True)
         key = f"drafter{draft_layers}"
         part = result[key] = {}
         part["calls"] = call_timings(be, device, repeats, past=len(prompts[0]))
@@ -374,7 +405,10 @@ def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> N
                                                                        device).items() if kk != "token_ids"}
                            for k in KS}
         save()
-        seq = torch.tensor([prompts[0] + ar["token_ids"][0] + [0] * 32], device=device)
+        def seq_of(ar):  # the sequence a greedy pre-pass makes the drafts right along
+            return torch.tensor([prompts[0] + ar["token_ids"][0] + [0] * 32], device=device)
+
+        seq = seq_of(ar)
         part["controlled_tau"] = {}
         for tau in TAUS:
             r = run_rounds(PrepassDrafts(be, seq, tau), prompts, "retrace", FixedK(16, 15), new, device)
@@ -386,6 +420,8 @@ def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> N
         save()
         if draft_layers == ((1, 2) if dry else (5, 1))[0]:
             part["graphs"] = graphs_section(target, drafter, prompts, new, max_len, device, repeats)
+            save()
+            part["row_invariance"] = invariance_section(target, drafter, prompts, new, max_len, device, seq_of)
             save()
             ref = reference(target, prompts[0], new, device)
             result["reference_static_cuda_graph"] = {**{k: v for k, v in ref.items() if k != "token_ids"},

@@ -126,7 +126,7 @@ class TorchBackend:
         runtime/compiled_step.py; False: eager). cuda_graphs: capture the padded steps as CUDA graphs (None:
         on CUDA only; True elsewhere: an error). static_shapes: pad calls to the step buckets (None: when
         CUDA graphs are on; True on the CPU runs the same padded steps eagerly). row_invariant: every target
-        call at one shape (see above; None: on CUDA only; it needs the padded steps)."""
+        call at one shape (see above; None: on CUDA where the padded steps run; True needs them)."""
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device) if device is not None else target.lm_head.weight.device
@@ -145,7 +145,8 @@ class TorchBackend:
         if not self.padded_steps and (cuda_graphs or static_shapes):
             raise RetraceError(f"{type(self).__name__} has no padded steps (no static shapes, no CUDA graphs)")
         self.runner = steps_runner(self.device, cuda_graphs if self.padded_steps else False)
-        self.row_invariant = self.device.type == "cuda" if row_invariant is None else bool(row_invariant)
+        default = self.device.type == "cuda" and self.padded_steps and static_shapes is not False
+        self.row_invariant = default if row_invariant is None else bool(row_invariant)
         if self.row_invariant and (static_shapes is False or not self.padded_steps):
             raise RetraceError("row invariance pads every target call to one shape: it needs the padded steps "
                                "(static_shapes); turn one of the two off")
