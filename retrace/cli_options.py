@@ -59,7 +59,7 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
                            "equals the decode step bit for bit and speculative output equals plain decoding's "
                            "even at near ties. Off: each call at its own width, a faster decode step (int4 ONNX "
                            "Runtime: the row-invariant step measured 1.2-1.5x the plain one; torch on the CPU: "
-                           "every call at 16 rows)", note="[default: on for a bundle and on CUDA, off for torch "
+                           "every call at 16 columns)", note="[default: on for a bundle and on CUDA, off for torch "
                                                            "on the CPU]")),
 }
 

@@ -1,12 +1,12 @@
 """The torch backend's row invariance (runtime/torch_backend.py `row_invariant`): every target call of up to
-16 tokens at one shape (max_batch rows x 16 columns), a wider call (a prefill) row by row over each row's
-tokens, so a row's logits, taps and K/V are the same bits whatever the call's width, its other rows and the
-prompts prefilled beside it.
+16 tokens at 16 columns (rows at their batch bucket), a wider call (a prefill) row by row over each row's
+tokens, so a row's logits, taps and K/V are the same bits whatever the call's width, the other rows of its
+bucket and the prompts prefilled beside it.
 
 - Bit for bit (torch.equal, not allclose), fp32 on the CPU: the rows of one T-token call equal the T decode
   steps of plain decoding (runtime/row_invariance.py `rows_matching_decodes`), also where the calls straddle
-  an attention-window bucket; a row decoded beside another request equals the same row decoded alone; a
-  batched prefill of prompts of different lengths equals each prompt prefilled alone.
+  an attention-window bucket; a row decoded beside a different other row equals itself; a batched prefill
+  of prompts of different lengths equals each prompt prefilled alone.
 - Token-exact against transformers' greedy decode with it on: ar, dflash, retrace, 8 requests joining and
   leaving 3 slots, the adaptive policy; every padded target call at the one shape.
 - It needs the padded steps: asking for it with static shapes off is refused, naming both; on from the CLI
@@ -53,12 +53,7 @@ def test_verify_rows_equal_the_decode_steps_bit_for_bit(world):
     for prefill in (6, 58):  # 58 + 9 crosses the 64-column window bucket
         got = rows_matching_decodes(be, prefill=prefill)
         assert got == {w: w for w in got}, (prefill, got)
-    assert {(b.rows, b.width) for b in be.runner.calls if b.step == "target"} == {(4, 16)}
-
-
-def _decode(be, slot, token, pos):
-    return be.target(index_tensor(slot, CPU), torch.tensor([[token]] * len(slot)),
-                     index_tensor([[pos]] * len(slot), CPU), index_tensor([[0]] * len(slot), CPU))
+    assert {(b.rows, b.width) for b in be.runner.calls if b.step == "target"} == {(1, 16)}
 
 
 def test_a_row_is_the_same_bits_beside_other_rows_and_prefilled_with_other_prompts(world):
@@ -80,10 +75,12 @@ def test_a_row_is_the_same_bits_beside_other_rows_and_prefilled_with_other_promp
         n = len(a) if s == 0 else len(b)
         for ca, cb in zip(alone.tcache.k + alone.tcache.v, together.tcache.k + together.tcache.v, strict=True):
             assert torch.equal(ca[s, :, :n], cb[s, :, :n])
-    # a decode step of slot 0 beside slot 1 equals slot 0 decoding alone
-    beside = _decode(together, [0, 1], 7, len(a))[0][0]
-    by_itself = _decode(alone, [0], 7, len(a))[0][0]
-    assert torch.equal(beside, by_itself)
+    # a decode step of slot 0 is the same bits whatever the other row of its bucket holds
+    beside = together.target(index_tensor([0, 1], CPU), torch.tensor([[7], [7]]), index_tensor([[len(a)]] * 2, CPU),
+                             index_tensor([[0]] * 2, CPU))[0][0]
+    other = alone.target(index_tensor([0, 1], CPU), torch.tensor([[7], [300]]), index_tensor([[len(a)], [len(b)]], CPU),
+                         index_tensor([[0]] * 2, CPU))[0][0]
+    assert torch.equal(beside, other)
 
 
 def _runtime(world, max_batch, **opts):
@@ -103,7 +100,8 @@ def test_token_exact_with_requests_joining_and_leaving(world):
         assert [r.token_ids for r in out] == greedy, mode
     assert rt.run_stats()["tau"] > 1.5
     calls = rt.backend.inner.runner.calls
-    assert {(b.rows, b.width) for b in calls if b.step == "target"} == {(3, 16)}
+    assert {b.width for b in calls if b.step == "target"} == {16}
+    assert {b.rows for b in calls if b.step == "target"} >= {1, 2, 3}  # the batch buckets as requests come and go
 
 
 def test_it_needs_the_padded_steps_and_is_on_from_the_cli_and_the_api(world):

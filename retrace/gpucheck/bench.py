@@ -14,7 +14,7 @@ drafter with a ReTrace conditioner; `--dry-run`: the same steps on the CPU at to
   graphs     (the first drafter) the same calls and rounds with the steps captured as CUDA graphs per bucket
              (the backend's default on CUDA), padded but eager, and unpadded (runtime/step_buckets.py,
              runtime/cuda_graphs.py): times, captures, replays, and whether the tokens agree;
-  row_invariance  (the first drafter) every target call at one shape (the default on CUDA) against each call
+  row_invariance  (the first drafter) every target call at one width (the default on CUDA) against each call
              at its own width: bit-identical verify rows, plain decoding's cost, lossless at controlled tau.
 OUTDIR/gpu_bench.json is rewritten after every section.
 """

@@ -13,17 +13,20 @@ scratch slot and scratch columns past max_seq_len take the padding), through run
 CUDA graph per bucket on CUDA (`cuda_graphs`, default on there), eagerly elsewhere. Prefill and wider calls
 run the window steps as before.
 
-Row invariance (`row_invariant`, default on CUDA): every target call of up to 16 tokens is padded to the one
-widest bucket (max_batch rows x 16 columns), and a wider call (a prefill) runs row by row over each row's
-tokens up to its last logits row. A matmul's kernel is chosen by its shape, and kernels of different shapes
-round differently, so without it a verify row and the decode step of the same token can differ in the last
-bits: on CPU fp32 (MKL) a T=1 row differs from the same row of every T >= 3 call, and on an H200 in bf16
-speculative output parted from plain decoding's at near ties (docs/gpu/gpu-bench-2026-12-04.md). With one
-shape per call every row is computed by the same kernel whatever else the call holds, so greedy speculative
-decoding reproduces plain decoding bit for bit (runtime/row_invariance.py `rows_matching_decodes` checks it
-on any backend). The cost is the rows a call computes: small where a step is bound by reading the weights
-(a GPU at batch 1: T=16 measured 1.16x T=1 at the Qwen3-8B shape), large on a CPU (fp32 T=16 1.6-1.9x T=1),
-so it is off on the CPU unless asked for.
+Row invariance (`row_invariant`, default on CUDA): every target call of up to 16 tokens is padded to the
+widest verify bucket (16 columns; its rows to their batch bucket as always), and a wider call (a prefill)
+runs row by row over each row's tokens up to its last logits row. A matmul's kernel is chosen by its shape,
+and kernels of different shapes round differently, so without it a verify row and the decode step of the
+same token can differ in the last bits: on CPU fp32 (MKL) a T=1 row differs from the same row of every
+T >= 3 call, and on an H200 in bf16 speculative output parted from plain decoding's at near ties
+(docs/gpu/gpu-bench-2026-12-04.md). With one width per call a row's bits depend on its own inputs and the
+call's batch bucket only, so greedy speculative decoding reproduces plain decoding bit for bit at the same
+batch bucket (runtime/row_invariance.py `rows_matching_decodes` checks it on any backend), and a prompt's
+K/V do not depend on the prompts prefilled beside it. Rows are not padded to max_batch as well: that would
+make every batch-1 step compute max_batch x 16 rows (vLLM's batch-invariant mode uses kernels of its own). The cost
+is the columns a call computes: small where a step is bound by reading the weights (a GPU at batch 1: T=16
+measured 1.16x T=1 at the Qwen3-8B shape), large on a CPU (fp32 T=16 1.6-1.9x T=1), so it is off on the CPU
+unless asked for.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ class TorchBackend:
         runtime/compiled_step.py; False: eager). cuda_graphs: capture the padded steps as CUDA graphs (None:
         on CUDA only; True elsewhere: an error). static_shapes: pad calls to the step buckets (None: when
         CUDA graphs are on; True on the CPU runs the same padded steps eagerly). row_invariant: every target
-        call at one shape (see above; None: on CUDA where the padded steps run; True needs them)."""
+        call at one width (see above; None: on CUDA where the padded steps run; True needs them)."""
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device) if device is not None else target.lm_head.weight.device
@@ -148,7 +151,7 @@ class TorchBackend:
         default = self.device.type == "cuda" and self.padded_steps and static_shapes is not False
         self.row_invariant = default if row_invariant is None else bool(row_invariant)
         if self.row_invariant and (static_shapes is False or not self.padded_steps):
-            raise RetraceError("row invariance pads every target call to one shape: it needs the padded steps "
+            raise RetraceError("row invariance pads every target call to one width: it needs the padded steps "
                                "(static_shapes); turn one of the two off")
         self.static_shapes = (isinstance(self.runner, CUDAGraphSteps) or self.row_invariant
                               if static_shapes is None else static_shapes)
@@ -263,7 +266,7 @@ class TorchBackend:
     def _padded_target(self, window, width, slots, input_ids, positions, logits_index, tree_mask):
         """A target call padded to its bucket, run by the runner (a CUDA graph per bucket on CUDA)."""
         N, K = len(slots), logits_index.shape[1]
-        rows = self.max_batch if self.row_invariant else batch_bucket(N, self.max_batch)
+        rows = batch_bucket(N, self.max_batch)
         slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
                                                                                logits_index, tree_mask)
         inputs = pad_target(slots, input_ids, positions, logits_index, tree_mask, rows, width,
