@@ -354,31 +354,34 @@ def graphs_section(target, drafter, prompts, new: int, max_len: int, device, rep
     return out
 
 
-def invariance_section(target, drafter, prompts, new: int, max_len: int, device, seq_of) -> dict:
+def invariance_section(target, drafter, prompts, new: int, max_len: int, device, seq_of, ar_on: dict,
+                       taus_on: dict) -> dict:
     """Row invariance on (the backend's default on CUDA) against off (runtime/torch_backend.py): whether a
     verify row is the decode step's bits (`rows_matching_decodes`, T = 2..16 after a 100-token past), what
-    plain decoding costs, and whether speculative output at controlled tau equals plain decoding's."""
+    plain decoding costs, and whether speculative output at controlled tau equals plain decoding's. The "on"
+    rounds are the shape section's own (ar_on: its `ar` run, taus_on: its controlled_tau), not run again."""
     from retrace.runtime.row_invariance import rows_matching_decodes
     from retrace.runtime.torch_backend import TorchBackend
 
-    out, ar_tokens = {}, {}
-    for name, on in (("on", True), ("off", False)):
+    def rows(on: bool) -> dict:
         two = TorchBackend(target, drafter, max_batch=2, max_seq_len=max_len, device=device, row_invariant=on)
-        rows = rows_matching_decodes(two, widths=(2, 3, 4, 8, 9, 16), prefill=min(100, max_len - 32))
-        del two
-        be = TorchBackend(target, drafter, max_batch=1, max_seq_len=max_len, device=device, row_invariant=on)
-        ar = run_rounds(be, prompts, "ar", "fixed", new, device)
-        ar_tokens[name] = ar["token_ids"]
-        taus = {}
-        for tau in TAUS[1:]:
-            r = run_rounds(PrepassDrafts(be, seq_of(ar), tau), prompts, "retrace", FixedK(16, 15), new, device)
-            taus[str(tau)] = {"ms_per_token": r["ms_per_token"], "tau": r["tau"],
-                              "lossless": r["token_ids"] == ar["token_ids"]}
-        out[name] = {"rows_matching_decodes": {str(w): n for w, n in rows.items()},
-                     "ar_ms_per_token": ar["ms_per_token"], "controlled_tau_k15": taus}
-        del be
-    out["ar_same_tokens_on_and_off"] = ar_tokens["on"] == ar_tokens["off"]
-    return out
+        got = rows_matching_decodes(two, widths=(2, 3, 4, 8, 9, 16), prefill=min(100, max_len - 32))
+        return {str(w): n for w, n in got.items()}
+
+    def side(ar: dict, taus: dict, on: bool) -> dict:
+        return {"rows_matching_decodes": rows(on), "ar_ms_per_token": ar["ms_per_token"],
+                "controlled_tau_k15": {t: {k: taus[t][k] for k in ("ms_per_token", "tau", "lossless")}
+                                       for t in map(str, TAUS[1:])}}
+
+    be = TorchBackend(target, drafter, max_batch=1, max_seq_len=max_len, device=device, row_invariant=False)
+    ar_off = run_rounds(be, prompts, "ar", "fixed", new, device)
+    taus_off = {}
+    for tau in TAUS[1:]:
+        r = run_rounds(PrepassDrafts(be, seq_of(ar_off), tau), prompts, "retrace", FixedK(16, 15), new, device)
+        taus_off[str(tau)] = {**r, "lossless": r["token_ids"] == ar_off["token_ids"]}
+    del be
+    return {"on": side(ar_on, taus_on, True), "off": side(ar_off, taus_off, False),
+            "ar_same_tokens_on_and_off": ar_on["token_ids"] == ar_off["token_ids"]}
 
 
 # -- the sections -----------------------------------------------------------------------------------------
@@ -421,7 +424,8 @@ def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> N
         if draft_layers == ((1, 2) if dry else (5, 1))[0]:
             part["graphs"] = graphs_section(target, drafter, prompts, new, max_len, device, repeats)
             save()
-            part["row_invariance"] = invariance_section(target, drafter, prompts, new, max_len, device, seq_of)
+            part["row_invariance"] = invariance_section(target, drafter, prompts, new, max_len, device, seq_of,
+                                                        ar, part["controlled_tau"])
             save()
             ref = reference(target, prompts[0], new, device)
             result["reference_static_cuda_graph"] = {**{k: v for k, v in ref.items() if k != "token_ids"},

@@ -23,8 +23,8 @@ T >= 3 call, and on an H200 in bf16 speculative output parted from plain decodin
 call's batch bucket only, so greedy speculative decoding reproduces plain decoding bit for bit at the same
 batch bucket (runtime/row_invariance.py `rows_matching_decodes` checks it on any backend), and a prompt's
 K/V do not depend on the prompts prefilled beside it. Rows are not padded to max_batch as well: that would
-make every batch-1 step compute max_batch x 16 rows (vLLM's batch-invariant mode uses kernels of its own). The cost
-is the columns a call computes: small where a step is bound by reading the weights (a GPU at batch 1: T=16
+make every batch-1 step compute max_batch x 16 rows (vLLM's batch-invariant mode uses kernels of its own).
+The cost is the columns a call computes: small where a step is bound by reading the weights (a GPU at batch 1: T=16
 measured 1.16x T=1 at the Qwen3-8B shape), large on a CPU (fp32 T=16 1.6-1.9x T=1), so it is off on the CPU
 unless asked for.
 """
@@ -232,7 +232,7 @@ class TorchBackend:
             return self._rows_alone(slots, input_ids, positions, logits_index)
         width = window_width(max(row[0] for row in host_values(positions)) + T, self.max_seq_len, self.window_step)
         padded = verify_width(T) if self.static_shapes else None
-        if padded is not None and self.row_invariant:  # every call of up to 16 tokens at the one widest shape
+        if padded is not None and self.row_invariant:  # every call of up to 16 tokens at the widest bucket
             padded = VERIFY_WIDTHS[-1]
         if padded is not None:
             return self._padded_target(width, padded, slots, input_ids, positions, logits_index, tree_mask)
