@@ -7,7 +7,7 @@ ZOO ?= zoo
 BUNDLE ?= bundles/tiny-small
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench bench-scale llama-src serve-bundle serve-bench serve-bench-triton clean triton-env gpu-carry zoo-seeds \
+.PHONY: venv demo test lint bench bench-scale llama-src llama-tools serve-bundle serve-bench serve-bench-triton clean triton-env gpu-carry zoo-seeds \
 	zoo zoo-release zoo-release-check
 
 $(STAMP): pyproject.toml
@@ -58,17 +58,33 @@ bench-scale: $(STAMP)
 	$(BIN)/retrace zoo draft-ar --from $(ZOO) --quiet
 	$(BIN)/retrace zoo inflate --from $(ZOO) --out $(SCALE_ZOO) --shape qwen3-0.6b --quiet
 	$(MAKE) llama-src || echo "no llama.cpp converter: the llama.cpp rows will say why"
+	$(MAKE) llama-tools || echo "no llama-server: the llama.cpp speculative rows will say why"
 	test -f $(SCALE_BUNDLE)/manifest.json || $(BIN)/retrace-export build --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --out $(SCALE_BUNDLE) --max-batch 4 --max-seq-len 512
 	$(BIN)/retrace bench --target $(SCALE_ZOO)/target --drafter $(SCALE_ZOO)/drafter --engine $(SCALE_BUNDLE) --draft-ar $(ZOO)/draft-ar --prompts $(SCALE_ZOO)/prompts --batch-sizes 1,4 --runs 1 --limit 32 --max-new-tokens 96 --threads 2 --peer-env defaults --prompt-lookup --weights $(SCALE_WEIGHTS) --json bench-out/scale.json --plot bench-out/scale.png --markdown bench-out/scale.md --readme-table
 
 # llama.cpp's converter for the bench's llama.cpp peers (convert_hf_to_gguf.py + gguf-py): the vendor/llama.cpp of the
 # installed llama-cpp-python's source distribution (PyPI, ~75 MB), unpacked once into $(LLAMA_SRC_DIR), where
 # retrace/bench/llamacpp_peers.py looks when LLAMA_CPP_SRC is unset. Not needed by `make test` (its tests skip).
+LLAMA_CPP_VERSION ?= 0.3.36
 llama-src: $(STAMP)
 	test -f $(LLAMA_SRC_DIR)/vendor/llama.cpp/convert_hf_to_gguf.py || ( set -e; \
-	  V=$$($(BIN)/python -c "import llama_cpp; print(llama_cpp.__version__)"); mkdir -p $(LLAMA_SRC_DIR); \
+	  V=$$($(BIN)/python -c "import llama_cpp; print(llama_cpp.__version__)" 2>/dev/null || echo $(LLAMA_CPP_VERSION)); \
+	  mkdir -p $(LLAMA_SRC_DIR); \
 	  $(BIN)/pip download -q --no-deps --no-binary :all: -d $(LLAMA_SRC_DIR) llama-cpp-python==$$V; \
 	  tar xzf $(LLAMA_SRC_DIR)/llama_cpp_python-$$V.tar.gz -C $(LLAMA_SRC_DIR) --strip-components=1 )
+
+# llama.cpp's own tools from that source, for the bench's llama-server peers (retrace/bench/llamacpp_server.py:
+# its DFlash mode with our drafter, a draft model): llama-server and llama-quantize in $(LLAMA_BUILD_DIR)/bin
+# (~6 min on 2 cores, once). Native ISA without AMX: llama.cpp's AMX kernels crash on quantized matmuls on
+# some Xeons (llama.cpp issue 20824). Not needed by `make test` (its tests skip without them).
+LLAMA_BUILD_DIR ?= .cache/llama-cpp-build
+LLAMA_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+llama-tools: llama-src
+	test -x $(LLAMA_BUILD_DIR)/bin/llama-server -a -x $(LLAMA_BUILD_DIR)/bin/llama-quantize || ( set -e; \
+	  cmake -S $(LLAMA_SRC_DIR)/vendor/llama.cpp -B $(LLAMA_BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	    -DCMAKE_C_FLAGS="$(LLAMA_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMA_NO_AMX)" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+	    -DLLAMA_BUILD_TESTS=OFF > /dev/null; \
+	  cmake --build $(LLAMA_BUILD_DIR) -j$$(nproc) --target llama-server llama-quantize )
 
 # Servers under load (benchmarks, not in CI), on a bundle of the zoo pair (built once):
 #  serve-bench: `retrace serve` under AIPerf (in its own venv: its pins are not the project's), OpenAI

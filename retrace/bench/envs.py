@@ -14,7 +14,8 @@ Groups and candidates (threads T = --threads):
   default or PASSIVE.
 - `ortgenai` (ortgenai-*): onnxruntime-genai, ONNX Runtime's thread pool (pip builds do not use OpenMP):
   intra_op_num_threads T or 1 in its genai_config.json.
-- `llamacpp` (llamacpp-*): llama-cpp-python (its ggml OpenMP threads, n_threads T): default or PASSIVE.
+- `llamacpp` (llamacpp-*): llama-cpp-python (its ggml OpenMP threads, n_threads T), and the llama-server processes
+  it starts (they inherit the environment; `-t T`): default or PASSIVE.
 ACTIVE is never a candidate: an idle worker whose OpenMP threads spin forever would steal a core from the
 worker being timed (the runner records every idle worker's CPU time to show this does not happen).
 

@@ -16,9 +16,10 @@ def group_wanted(group: str, wanted: tuple[str, ...] | None) -> bool:
     """Whether any of the user's --systems patterns can select a system of the group."""
     from retrace.bench.config import BACKENDS, MODES, ORTGENAI_SPEC
     from retrace.bench.llamacpp_peers import LLAMACPP_MODES
+    from retrace.bench.llamacpp_server import SERVER_MODES
 
     known = {"hf": ("hf-ar", "hf-dflash"), "ortgenai": ("ortgenai-ar", *ORTGENAI_SPEC),
-             "llamacpp": tuple(f"llamacpp-{m}" for m in LLAMACPP_MODES),
+             "llamacpp": tuple(f"llamacpp-{m}" for m in (*LLAMACPP_MODES, *SERVER_MODES)),
              **{f"retrace-{b}": tuple(f"retrace-{b}-{m}" for m in MODES) for b in BACKENDS}}[group]
     if wanted is None:
         return True

@@ -4,9 +4,9 @@ Ours: `retrace-<backend>-<mode>` (the configured verify policy), `-fixed` (whole
 `-tree<b>-fixed` (draft trees), `-lookup` (prompt lookup), `-lookup-first` (prompt lookup also before the
 drafter), for the torch backend and an ONNX Runtime bundle at each precision; the peers: transformers
 (retrace.bench.systems), onnxruntime-genai (retrace.bench.ortgenai_peers), llama.cpp
-(retrace.bench.llamacpp_peers). What cannot be built is recorded
-with its reason (`Built.skip`), never fatal. retrace.bench.isolate runs `build_systems` once per group in a
-worker process (retrace.bench.worker).
+(retrace.bench.llamacpp_peers; its own speculative modes in llama-server: retrace.bench.llamacpp_server).
+What cannot be built is recorded with its reason (`Built.skip`), never fatal. retrace.bench.isolate runs
+`build_systems` once per group in a worker process (retrace.bench.worker).
 """
 
 from __future__ import annotations
@@ -148,11 +148,15 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
 
             add_ortgenai_systems(built, cfg, cache, threads, tune_prompts, log, weights)
 
-    # llama.cpp peers (llama-cpp-python), at the GGUF type of each quantized precision
+    # llama.cpp peers (llama-cpp-python, llama-server), at the GGUF type of each quantized precision
     if group("llamacpp"):
         from retrace.bench.llamacpp_peers import add_llamacpp_systems
 
         add_llamacpp_systems(built, cfg, cache, threads, tune_prompts, log, n_ctx=max_seq_len)
+        # and its own speculative decoding (DFlash with our drafter, a draft model) in llama-server
+        from retrace.bench.llamacpp_server import add_llama_server_systems
+
+        add_llama_server_systems(built, cfg, cache, threads, tune_prompts, log, n_ctx=max_seq_len)
 
     order = {n: i for i, n in enumerate(PEERS + tuple(f"retrace-{b}-{m}{f}" for b in BACKENDS for m in MODES
                                                       for f in ("", "-fixed")))}

@@ -61,12 +61,14 @@ def _converter() -> Path:
     return script
 
 
-def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path:
-    """The target as GGUF `gguf_type` in the cache (f16 conversion, then llama_model_quantize), once."""
+def build_gguf(model_dir: str | Path, cache: Path, gguf_type: str, log, target_dir: str | Path | None = None) -> Path:
+    """model_dir as GGUF `gguf_type` in the cache (f16 conversion, then quantized), once. target_dir: the
+    target of a DFlash drafter (the converter takes its tokenizer, embedding and head from there)."""
     from retrace.digest import dir_digest
 
-    llama_cpp = _llama_cpp()
-    root = cache / f"gguf-{dir_digest(target_dir, extra=llama_cpp.__version__)}"
+    quantize, version = _quantizer()
+    extra = version + (f"+target-{dir_digest(target_dir)}" if target_dir is not None else "")
+    root = cache / f"gguf-{dir_digest(model_dir, extra=extra)}"
     out = root / f"model-{gguf_type.lower()}.gguf"
     if out.is_file():
         return out
@@ -74,26 +76,57 @@ def build_gguf(target_dir: str | Path, cache: Path, gguf_type: str, log) -> Path
     f16 = root / "model-f16.gguf"
     if not f16.is_file():
         script = _converter()
-        log(f"converting {target_dir} to GGUF (llama.cpp's convert_hf_to_gguf.py)")
+        log(f"converting {model_dir} to GGUF (llama.cpp's convert_hf_to_gguf.py)")
         tmp = f16.with_suffix(".tmp")
         env = {**os.environ, "LLAMA_CPP_SRC": str(script.parent),
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
-        res = subprocess.run([sys.executable, "-m", "retrace.bench.llamacpp_convert", str(target_dir),  # its hooks
-                              "--outfile", str(tmp), "--outtype", "f16"], capture_output=True, text=True, env=env)
+        args = [str(model_dir), "--outfile", str(tmp), "--outtype", "f16"]
+        if target_dir is not None:
+            args += ["--target-model-dir", str(target_dir)]
+        res = subprocess.run([sys.executable, "-m", "retrace.bench.llamacpp_convert", *args],  # its hooks
+                             capture_output=True, text=True, env=env)
         (root / "convert.log").write_text(res.stdout + res.stderr)
         if res.returncode:
             last = (res.stderr.strip().splitlines() or ["no output"])[-1]
             raise RetraceError(f"convert_hf_to_gguf.py failed ({last}); log: {root / 'convert.log'}")
         tmp.rename(f16)
-    log(f"quantizing the GGUF to {gguf_type} (llama_model_quantize)")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, FTYPES[gguf_type])
-    params.nthread = 0
+    log(f"quantizing the GGUF to {gguf_type}")
     tmp = out.with_suffix(".tmp")
-    if llama_cpp.llama_model_quantize(str(f16).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
-        raise RetraceError(f"llama_model_quantize to {gguf_type} failed")
+    quantize(f16, tmp, gguf_type)
     tmp.rename(out)
     return out
+
+
+def _quantizer():
+    """(quantize(f16, out, type), a version for the cache key): llama-cpp-python's llama_model_quantize (what
+    `llama-quantize` runs), else the `llama-quantize` that `make llama-tools` builds."""
+    try:
+        llama_cpp = _llama_cpp()
+    except RetraceError as missing:
+        from retrace.bench.llamacpp_server import tool
+        from retrace.digest import sha256_file
+
+        try:
+            binary = tool("llama-quantize")
+        except RetraceError:
+            raise missing from None
+
+        def run_binary(f16: Path, out: Path, gguf_type: str) -> None:
+            res = subprocess.run([str(binary), str(f16), str(out), gguf_type], capture_output=True, text=True)
+            if res.returncode:
+                last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+                raise RetraceError(f"llama-quantize to {gguf_type} failed: {last}")
+
+        return run_binary, f"llama-quantize-{sha256_file(_converter())[:12]}"
+
+    def run_library(f16: Path, out: Path, gguf_type: str) -> None:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, FTYPES[gguf_type])
+        params.nthread = 0
+        if llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+            raise RetraceError(f"llama_model_quantize to {gguf_type} failed")
+
+    return run_library, llama_cpp.__version__
 
 
 def load_llama(gguf: Path, threads: int, n_ctx: int):
@@ -153,6 +186,7 @@ def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
         if not names:
             continue
         try:
+            _llama_cpp()  # these systems run in the library (the GGUF could be built without it)
             gguf = build_gguf(cfg.target, cache, gtype, log)
             built.builds[f"llamacpp_{gtype.lower()}"] = {"gguf": str(gguf)}
             llm = load_llama(gguf, threads, n_ctx)

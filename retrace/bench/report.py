@@ -110,7 +110,7 @@ def env_lines(results: dict) -> list[str]:
 
 
 def speculative_lines(results: dict) -> list[str]:
-    """onnxruntime-genai's speculative peers: their settings and own acceptance statistics."""
+    """The peers' own speculative modes (onnxruntime-genai, llama.cpp): settings and own acceptance statistics."""
     out = []
     for s in results["systems"]:
         st = s.get("speculative_stats")
@@ -120,7 +120,8 @@ def speculative_lines(results: dict) -> list[str]:
         acc = st["acceptance_rate"]
         out.append(f"{s['name']} ({', '.join(f'{k} {v}' for k, v in opt.items())}): acceptance "
                    f"{'n/a' if acc is None else f'{acc:.2f}'}, {_f(st['tokens_per_round'], '{:.2f}')} tokens per "
-                   f"round over {st['rounds']} rounds, {st['standard_fallback_steps']} plain steps")
+                   f"round over {st['rounds']} rounds" + ("" if st.get("standard_fallback_steps") is None
+                                                          else f", {st['standard_fallback_steps']} plain steps"))
     return out
 
 

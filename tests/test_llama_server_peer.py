@@ -1,0 +1,113 @@
+"""llama.cpp's own speculative decoding as bench peers (retrace.bench.llamacpp_server): the statistics from its
+responses, clear rows and errors where its tools are missing or its server does not start, and, where `make
+llama-tools` has built llama-server (skipped without: CI does not build llama.cpp), the real server on the
+shipped zoo pair: our DFlash drafter converted by llama.cpp's converter drafts in llama.cpp's DFlash mode, and its
+greedy output equals its own plain decoding at batch 1 and 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+
+import pytest
+
+from retrace.bench import llamacpp_server as ls
+from retrace.bench.config import BenchConfig
+from retrace.bench.lineup import Built
+from retrace.errors import RetraceError
+
+
+def test_statistics_count_a_round_per_token_not_accepted():
+    """Every round emits its accepted drafts plus one token: rounds = tokens - accepted."""
+    responses = [{"tokens": list(range(10)), "timings": {"draft_n": 12, "draft_n_accepted": 6}},
+                 {"tokens": list(range(10)), "timings": {"draft_n": 8, "draft_n_accepted": 2}}]
+    st = ls.speculative_stats(responses)
+    assert st["rounds"] == 12 and st["tokens_emitted"] == 20 and st["draft_tokens_accepted"] == 8
+    assert st["acceptance_rate"] == pytest.approx(8 / 20) and st["tokens_per_round"] == pytest.approx(20 / 12)
+    assert ls.speculative_stats([{"tokens": [1, 2], "timings": {"predicted_n": 2}}]) is None  # plain decoding
+
+
+def test_missing_tools_are_rows_that_say_how_to_build_them(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path / "nowhere"))
+    with pytest.raises(RetraceError, match="make llama-tools"):
+        ls.tool("llama-server")
+    built = Built()
+    cfg = BenchConfig(target=str(tmp_path), drafter=str(tmp_path), prompts=[], weights=("fp32", "int4"))
+    ls.add_llama_server_systems(built, cfg, tmp_path, 2, [], lambda msg: None, n_ctx=256)
+    assert not built.systems
+    assert [s["name"] for s in built.skipped] == ["llamacpp-server-ar-q4_k_m", "llamacpp-server-ngram-q4_k_m",
+                                                  "llamacpp-dflash-q4_k_m", "llamacpp-dflash-ngram-q4_k_m",
+                                                  "llamacpp-draft-q4_k_m"]
+    assert all("make llama-tools" in s["reason"] for s in built.skipped)
+
+
+def test_a_server_that_exits_at_start_is_an_error_with_its_last_log_line(monkeypatch, tmp_path):
+    fake = tmp_path / "bin" / "llama-server"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport sys\nprint('error: unknown model architecture: x')\nsys.exit(1)\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(fake.parent))
+    with pytest.raises(RetraceError, match=r"exited \(1\) at start: error: unknown model architecture"):
+        ls.LlamaServer(tmp_path / "m.gguf", 1, 64, 1, tmp_path / "logs" / "s.log")
+
+
+# -- the real llama-server (skipped where `make llama-tools` has not run) ---------------------------------
+@pytest.fixture(scope="module")
+def zoo_ggufs(tmp_path_factory):
+    """The shipped small zoo pair (its trained drafter) as Q8_0 GGUFs."""
+    from retrace.bench.llamacpp_peers import _converter, build_gguf
+    from retrace.train import zoo_release
+
+    try:
+        ls.tool("llama-server")
+        ls.tool("llama-quantize")
+        _converter()
+    except RetraceError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("zoo") / "zoo"
+    zoo_release.install(out, size="small", progress=False)
+    cache = tmp_path_factory.mktemp("gguf")
+    target = build_gguf(out / "target", cache, "Q8_0", lambda msg: None)
+    drafter = build_gguf(out / "drafter", cache, "Q8_0", lambda msg: None, target_dir=out / "target")
+    return out, target, drafter
+
+
+def _prompts(out, n: int) -> list[list[int]]:
+    from retrace.train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(out / "target").backend_tokenizer
+    return [tok.encode(json.loads(line)["prompt"], add_special_tokens=False).ids[:48]
+            for line in list((out / "prompts" / "code.jsonl").open())[:n]]
+
+
+def test_llama_cpp_dflash_with_our_drafter_is_its_own_plain_decoding(zoo_ggufs, tmp_path):
+    """llama.cpp's DFlash mode takes our converted drafter, drafts (its own statistics say so) and, greedy,
+    gives exactly its own plain decoding's tokens, at batch 1 and 2 (two requests in flight)."""
+    out, target, drafter = zoo_ggufs
+    prompts = _prompts(out, 2)
+    ar = ls.LlamaServerSystem("llamacpp-server-ar-q8_0", target, 1, 128, tmp_path)
+    dflash = ls.LlamaServerSystem("llamacpp-dflash-q8_0", target, 1, 128, tmp_path, drafter,
+                                  {"spec_type": "draft-dflash", "draft_max": 7})
+    try:
+        want = ar.run(prompts, 24, 1)
+        assert [len(o) for o in want.outputs] == [24, 24] and want.stats is None
+        got = dflash.run(prompts, 24, 1)
+        assert got.outputs == want.outputs
+        assert got.stats["draft_tokens_evaluated"] > 0 and got.stats["tokens_emitted"] == 48
+        assert dflash.run(prompts, 24, 2).outputs == want.outputs and dflash.parallel == 2
+    finally:
+        ar.close()
+        dflash.close()
+    assert ar.server is None and dflash.server is None
+
+
+def test_the_server_is_gone_after_close(zoo_ggufs, tmp_path):
+    out, target, _ = zoo_ggufs
+    s = ls.LlamaServerSystem("llamacpp-server-ar-q8_0", target, 1, 128, tmp_path)
+    s.run(_prompts(out, 1), 4, 1)
+    proc = s.server.proc
+    s.close()
+    assert proc.poll() is not None
+    assert not os.path.exists(f"/proc/{proc.pid}/status") or "zombie" in open(f"/proc/{proc.pid}/status").read()
