@@ -170,3 +170,17 @@ def test_bad_shape_is_refused_and_leaves_nothing(zoo, tmp_path):
     res = CliRunner().invoke(main, ["zoo", "inflate", "--from", str(zoo), "--out", str(tmp_path / "b4"),
                                     "--hidden-size", "256"])
     assert res.exit_code != 0 and "--layers" in res.output
+
+
+def test_padded_rows_stay_finite_in_float16():
+    """The padded ids' LM-head weight is capped where float16 (an fp16 bundle, a GGUF's blocks) still holds it;
+    the cap leaves padded logits far below the real ones at the Qwen3-0.6B shape's own factor."""
+    p = inf.make_plan(inf.Shape(64, 4, 4, 2, 16, 96, 128), inf.Shape(**BIG), 1e-6)
+    free = inf.pad_scale_for(p, 1e3)
+    assert free < inf.PAD_SCALE_MAX and inf.pad_gap(p, 1e3, free) == pytest.approx(1000.0)
+    tiny_rho = 1e-3  # a final norm that lets the constant channel arrive weak
+    capped = inf.pad_scale_for(p, tiny_rho)
+    assert capped == inf.PAD_SCALE_MAX and torch.isfinite(torch.tensor(capped).half())
+    assert inf.pad_gap(p, tiny_rho, capped) < 1000.0
+    head = inf.lm_head(torch.randn(128, 64), p, capped)
+    assert torch.isfinite(head.half()).all() and head.abs().max() == inf.PAD_SCALE_MAX

@@ -383,12 +383,22 @@ def conditioner_eps(eps: float, p: Plan) -> float:
     return eps * p.d / p.D
 
 
+# the largest padded-row weight: finite in float16 (max 65504) and in the float16 block scales of llama.cpp's
+# quantized types, with room for their rounding (an fp16 bundle or a GGUF of the pair holds it exactly)
+PAD_SCALE_MAX = 32768.0
+
+
 def pad_scale_for(p: Plan, rho_min: float, gap: float = 1000.0) -> float:
     """The LM-head weight of padded ids that puts their logit at -gap for the smallest observed final-norm
     factor rho_min = rsqrt(mean(x^2) + eps) of the small target (the constant channel arrives at the LM head
-    as c * sqrt(D / (K d)) * rho >= c * sqrt(D / (K d)) * rho_min)."""
-    arrive = p.const * rho_min / p.stream_scale
-    return gap / arrive
+    as c * sqrt(D / (K d)) * rho >= c * sqrt(D / (K d)) * rho_min), at most PAD_SCALE_MAX (`pad_gap`: the
+    gap that leaves)."""
+    return min(gap / (p.const * rho_min / p.stream_scale), PAD_SCALE_MAX)
+
+
+def pad_gap(p: Plan, rho_min: float, pad_scale: float) -> float:
+    """How far below 0 a padded id's logit sits at the final-norm factor rho_min (`pad_scale_for`)."""
+    return pad_scale * p.const * rho_min / p.stream_scale
 
 
 def count(sd: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> int:
@@ -396,4 +406,4 @@ def count(sd: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> int:
 
 
 __all__ = ["Shape", "SHAPES", "NON_EMBEDDING_PARAMS", "Plan", "make_plan", "target", "drafter", "conditioner",
-           "conditioner_eps", "pad_scale_for", "count"]
+           "conditioner_eps", "pad_scale_for", "pad_gap", "PAD_SCALE_MAX", "count"]

@@ -133,7 +133,8 @@ def _write_pair(zoo: Path, tmp: Path, shape, seed: int, prompts: list[list[int]]
     plan = inf.make_plan(small, shape, float(tcfg["rms_norm_eps"]))
     t0 = time.perf_counter()
 
-    # pad logits: -1000 at the smallest final-norm factor seen on the check prompts
+    # pad logits: -1000 at the smallest final-norm factor seen on the check prompts, or as far as a weight that
+    # float16 holds reaches (inflate.PAD_SCALE_MAX: -77 at the Qwen3-0.6B shape, e^-77 of the mass per id)
     small_t = Qwen3Target.from_pretrained(zoo / "target")
     rho = final_rho_min(small_t, prompts)
     pad_scale = inf.pad_scale_for(plan, rho)
@@ -186,7 +187,8 @@ def _write_pair(zoo: Path, tmp: Path, shape, seed: int, prompts: list[list[int]]
                   small_conditioner=inf.count(csd))
     shutil.copytree(zoo / "prompts", tmp / "prompts")
     del torch
-    return {"plan": dict(plan.summary(), pad_scale=pad_scale, final_rho_min_small=rho,
+    return {"plan": dict(plan.summary(), pad_scale=pad_scale, pad_gap=inf.pad_gap(plan, rho, pad_scale),
+                         final_rho_min_small=rho,
                          target_layer_ids={"small": taps, "inflated": new_taps}),
             "params": counts, "write_s": round(time.perf_counter() - t0, 2)}
 
