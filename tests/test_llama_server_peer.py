@@ -53,6 +53,33 @@ def test_a_server_that_exits_at_start_is_an_error_with_its_last_log_line(monkeyp
         ls.LlamaServer(tmp_path / "m.gguf", 1, 64, 1, tmp_path / "logs" / "s.log")
 
 
+def test_a_server_that_drops_its_draft_model_is_not_a_speculative_peer(monkeypatch, tmp_path):
+    """llama-server logs that it could not set speculation up (e.g. draft and target vocabularies differ) and
+    serves plain decoding: that must not be reported as its draft-model mode."""
+    fake = tmp_path / "bin" / "llama-server"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!{sys.executable}
+import http.server, sys
+print("E srv    load_model: failed to initialize speculative decoding context: draft model vocab type must "
+      "match target model to use speculation", flush=True)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+    def log_message(self, *a):
+        pass
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(fake.parent))
+    with pytest.raises(RetraceError, match=r"runs without speculation \(failed to .* vocab type must match"):
+        ls.LlamaServer(tmp_path / "m.gguf", 1, 64, 1, tmp_path / "logs" / "s.log", tmp_path / "d.gguf",
+                       {"spec_type": "draft-simple", "draft_max": 4})
+    plain = ls.LlamaServer(tmp_path / "m.gguf", 1, 64, 1, tmp_path / "logs" / "p.log")  # no draft: no check
+    plain.close()
+    assert plain.proc.poll() is not None
+
+
 # -- the real llama-server (skipped where `make llama-tools` has not run) ---------------------------------
 @pytest.fixture(scope="module")
 def zoo_ggufs(tmp_path_factory):

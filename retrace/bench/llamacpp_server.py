@@ -92,6 +92,12 @@ class LlamaServer:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             self._wait_ready()
+            if spec:  # the server goes on without speculation where it cannot set it up: that is no such peer
+                failed = [ln for ln in log_path.read_text(errors="replace").splitlines()
+                          if "failed to initialize speculative decoding" in ln]
+                if failed:
+                    raise RetraceError(f"llama-server runs without speculation ({failed[0].split('load_model: ')[-1]}) "
+                                       f"(log: {log_path})")
         except BaseException:
             self.close()
             raise
