@@ -103,7 +103,7 @@ def test_every_system_records_the_environment_it_ran_with(run):
     idle = r["machine"]["idle_workers"]
     assert set(idle) == {"ortgenai"}
     assert "Threading environment per system: ortgenai-ar" in res.output
-    assert "onnxruntime-genai speculative peers: ortgenai-ngram (ngram_size" in res.output
+    assert "The peers' own speculative modes: ortgenai-ngram at batch 1 (ngram_size" in res.output
 
 
 def test_worker_environment_drops_the_cli_passive_default():

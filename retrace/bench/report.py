@@ -118,7 +118,8 @@ def speculative_lines(results: dict) -> list[str]:
             continue
         opt = (s.get("settings") or {}).get("speculative") or {}
         acc = st["acceptance_rate"]
-        out.append(f"{s['name']} ({', '.join(f'{k} {v}' for k, v in opt.items())}): acceptance "
+        how = ", ".join(f"{k} {v}" for k, v in opt.items())
+        out.append(f"{s['name']} at batch {s['batch_size']} ({how}): acceptance "
                    f"{'n/a' if acc is None else f'{acc:.2f}'}, {_f(st['tokens_per_round'], '{:.2f}')} tokens per "
                    f"round over {st['rounds']} rounds" + ("" if st.get("standard_fallback_steps") is None
                                                           else f", {st['standard_fallback_steps']} plain steps"))
@@ -205,7 +206,7 @@ def render_markdown(results: dict) -> str:
         lines += ["tau at batch 1 (pooled over all rounds, and per prompt): " + "; ".join(taus) + ".", ""]
     spec = speculative_lines(results)
     if spec:
-        lines += ["onnxruntime-genai speculative peers: " + "; ".join(spec) + ".", ""]
+        lines += ["The peers' own speculative modes: " + "; ".join(spec) + ".", ""]
     env = env_lines(results)
     if env:
         lines += ["Threading environment per system: " + "; ".join(env) + ".", ""]
