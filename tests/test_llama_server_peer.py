@@ -16,6 +16,7 @@ import pytest
 from retrace.bench import llamacpp_server as ls
 from retrace.bench.config import BenchConfig
 from retrace.bench.lineup import Built
+from retrace.bench.llamacpp_build import tool
 from retrace.errors import RetraceError
 
 
@@ -32,7 +33,7 @@ def test_statistics_count_a_round_per_token_not_accepted():
 def test_missing_tools_are_rows_that_say_how_to_build_them(monkeypatch, tmp_path):
     monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path / "nowhere"))
     with pytest.raises(RetraceError, match="make llama-tools"):
-        ls.tool("llama-server")
+        tool("llama-server")
     built = Built()
     cfg = BenchConfig(target=str(tmp_path), drafter=str(tmp_path), prompts=[], weights=("fp32", "int4"))
     ls.add_llama_server_systems(built, cfg, tmp_path, 2, [], lambda msg: None, n_ctx=256)
@@ -80,17 +81,37 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
     assert plain.proc.poll() is not None
 
 
+def test_a_smaller_draft_vocabulary_is_padded_to_the_targets_once(tmp_path):
+    """llama.cpp refuses a draft model whose vocabulary differs from the target's: the bench pads a smaller one
+    with zero rows (cached), keeps an equal one and refuses a larger one."""
+    from helpers import write_target
+    from safetensors.torch import load_file
+
+    target = write_target(tmp_path / "target", vocab=256, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=96)
+    draft = write_target(tmp_path / "draft", vocab=128, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=96)
+    padded = ls.vocab_matched(draft, target, tmp_path / "cache")
+    assert json.loads((padded / "config.json").read_text())["vocab_size"] == 256
+    w, src = load_file(padded / "model.safetensors"), load_file(draft / "model.safetensors")
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        if k in src:
+            assert w[k].shape[0] == 256 and w[k][:128].equal(src[k]) and not w[k][128:].any()
+    assert ls.vocab_matched(draft, target, tmp_path / "cache") == padded  # cached
+    assert ls.vocab_matched(target, target, tmp_path / "cache") == target
+    with pytest.raises(RetraceError, match="larger vocabulary"):
+        ls.vocab_matched(target, draft, tmp_path / "cache")
+
+
 # -- the real llama-server (skipped where `make llama-tools` has not run) ---------------------------------
 @pytest.fixture(scope="module")
 def zoo_ggufs(tmp_path_factory):
     """The shipped small zoo pair (its trained drafter) as Q8_0 GGUFs."""
-    from retrace.bench.llamacpp_peers import _converter, build_gguf
+    from retrace.bench.llamacpp_build import build_gguf, converter
     from retrace.train import zoo_release
 
     try:
-        ls.tool("llama-server")
-        ls.tool("llama-quantize")
-        _converter()
+        tool("llama-server")
+        tool("llama-quantize")
+        converter()
     except RetraceError as e:
         pytest.skip(str(e))
     out = tmp_path_factory.mktemp("zoo") / "zoo"

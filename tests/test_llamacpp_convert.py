@@ -1,4 +1,4 @@
-"""The llama.cpp peer's GGUF (retrace.bench.llamacpp_convert, llamacpp_peers.build_gguf): llama.cpp's own converter
+"""The llama.cpp peer's GGUF (retrace.bench.llamacpp_convert, llamacpp_build.build_gguf): llama.cpp's own converter
 takes the zoo's tokenizer (whose pre-tokenizer hash it does not list), the GGUF tokenizes the zoo prompts
 exactly as our tokenizer does, and the f16 GGUF's greedy decode follows the target's own. The conversion
 needs llama-cpp-python and a llama.cpp source tree (LLAMA_CPP_SRC, or `make llama-src`): skipped without."""
@@ -34,10 +34,10 @@ def test_word_merges_rebuild_each_word_left_to_right():
 def zoo_gguf(zoo_target_stage, tmp_path_factory):
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("needs llama-cpp-python (the llamacpp extra)")
-    from retrace.bench.llamacpp_peers import _converter, build_gguf
+    from retrace.bench.llamacpp_build import build_gguf, converter
 
     try:
-        _converter()
+        converter()
     except RetraceError as e:
         pytest.skip(str(e))
     out, _ = zoo_target_stage

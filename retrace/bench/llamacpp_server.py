@@ -12,7 +12,7 @@ tool users deploy them with, built from the same vendored source (`make llama-to
 - `llamacpp-dflash-ngram-<type>`: DFlash and `ngram-mod` together (llama.cpp mixes a draft model with an
   n-gram type: its counterpart of our ReTrace with prompt lookup);
 - `llamacpp-draft-<type>`: a draft model (`--spec-type draft-simple`): the bench's AR draft model, the one
-  `ortgenai-draft` runs.
+  `ortgenai-draft` runs (padded to the target's vocabulary where smaller: `vocab_matched`).
 <type> is the GGUF type CPU users pick at the bench's precision (q4_k_m for --weights int4, q8_0 for int8;
 retrace.bench.precision); drafters are converted to q8_0 (llama.cpp's usual draft precision). Each
 speculative mode runs at its best setting of SERVER_MODES (the n-gram type, `--spec-draft-n-max`), chosen by
@@ -26,7 +26,6 @@ plus one token, so rounds = tokens - accepted.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
@@ -35,6 +34,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from retrace.bench.llamacpp_build import tool
 from retrace.bench.systems import RunOut, System
 from retrace.errors import RetraceError
 
@@ -48,18 +48,7 @@ SERVER_MODES = {
     "draft": ("draft-ar", tuple({"spec_type": "draft-simple", "draft_max": n} for n in (4, 8, 16))),
 }
 DRAFT_TYPE = "Q8_0"
-BUILD_DIR = Path(__file__).parents[2] / ".cache" / "llama-cpp-build"
-INSTALL = "`make llama-tools` (builds llama-server and llama-quantize from llama.cpp's source, ~6 min on 2 cores)"
 START_TIMEOUT_S = 180.0
-
-
-def tool(name: str) -> Path:
-    """A llama.cpp binary: $LLAMA_CPP_BIN/name, else the one `make llama-tools` built."""
-    root = Path(os.environ["LLAMA_CPP_BIN"]) if os.environ.get("LLAMA_CPP_BIN") else BUILD_DIR / "bin"
-    path = root / name
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        raise RetraceError(f"no llama.cpp {name} in {root}: {INSTALL}, or set LLAMA_CPP_BIN to a build's bin/")
-    return path
 
 
 def free_port() -> int:
@@ -222,10 +211,27 @@ def fastest(make, options: tuple[dict, ...], prompts: list[list[int]], n: int, p
     return systems[i], options[i], table
 
 
+def vocab_matched(draft_dir: Path, target_dir: str | Path, cache: Path) -> Path:
+    """The AR draft at the target's vocabulary size: llama.cpp refuses a draft model whose vocabulary differs from
+    the target's. A smaller one (the small zoo's draft beside its inflated target) is padded with zero rows
+    (retrace.train.draft_ar.pad_vocab, the same as onnxruntime-genai's draft gets) into the cache, once."""
+    from retrace.digest import dir_digest
+    from retrace.train.draft_ar import pad_vocab
+
+    tv = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    dv = json.loads((Path(draft_dir) / "config.json").read_text())["vocab_size"]
+    if dv == tv:
+        return Path(draft_dir)
+    if dv > tv:
+        raise RetraceError(f"the draft model {draft_dir} has a larger vocabulary ({dv}) than the target ({tv})")
+    out = cache / f"draft-padded-{dir_digest(draft_dir, extra=str(tv))}"
+    return out if (out / "config.json").is_file() else pad_vocab(draft_dir, out, tv)
+
+
 def add_llama_server_systems(built, cfg, cache: Path, threads: int, tune_prompts, log, n_ctx: int) -> None:
     """The llama-server systems at each quantized precision of cfg.weights (see the module docstring)."""
     from retrace.bench.config import wanted
-    from retrace.bench.llamacpp_peers import build_gguf
+    from retrace.bench.llamacpp_build import build_gguf, tool
     from retrace.bench.ortgenai_peers import TUNE_TOKENS, find_draft_ar
     from retrace.bench.precision import llamacpp_type
 
@@ -253,7 +259,8 @@ def add_llama_server_systems(built, cfg, cache: Path, threads: int, tune_prompts
                 if draft_kind == "drafter":
                     draft = build_gguf(cfg.drafter, cache, DRAFT_TYPE, log, target_dir=cfg.target)
                 elif draft_kind == "draft-ar":
-                    draft = build_gguf(find_draft_ar(cfg, cache, log), cache, DRAFT_TYPE, log)
+                    draft = build_gguf(vocab_matched(find_draft_ar(cfg, cache, log), cfg.target, cache), cache,
+                                       DRAFT_TYPE, log)
 
                 def make(spec, name=name, draft=draft, gguf=gguf):
                     return LlamaServerSystem(name, gguf, threads, n_ctx, cache / "llama-server-logs", draft, spec)
