@@ -188,29 +188,6 @@ class LlamaServerSystem(System):
             self.server = None
 
 
-def fastest(make, options: tuple[dict, ...], prompts: list[list[int]], n: int, passes: int = 2):
-    """Build a system per option, time each `passes` times in alternation after a warm-up run; the others are
-    closed. -> (fastest system, its option, [{**option, tokens_per_s}])."""
-    systems = [make(o) for o in options]
-    try:
-        for s in systems:
-            s.run(prompts, n, 1)
-        best = [float("inf")] * len(systems)
-        for _ in range(passes):
-            for i, s in enumerate(systems):
-                best[i] = min(best[i], s.run(prompts, n, 1).wall_s)
-    except BaseException:
-        for s in systems:
-            s.close()
-        raise
-    i = min(range(len(systems)), key=lambda j: best[j])
-    for j, s in enumerate(systems):
-        if j != i:
-            s.close()
-    table = [{**o, "tokens_per_s": n * len(prompts) / t} for o, t in zip(options, best, strict=True)]
-    return systems[i], options[i], table
-
-
 def vocab_matched(draft_dir: Path, target_dir: str | Path, cache: Path) -> Path:
     """The AR draft at the target's vocabulary size: llama.cpp refuses a draft model whose vocabulary differs from
     the target's. A smaller one (the small zoo's draft beside its inflated target) is padded with zero rows
@@ -232,7 +209,7 @@ def add_llama_server_systems(built, cfg, cache: Path, threads: int, tune_prompts
     """The llama-server systems at each quantized precision of cfg.weights (see the module docstring)."""
     from retrace.bench.config import wanted
     from retrace.bench.llamacpp_build import build_gguf, tool
-    from retrace.bench.ortgenai_peers import TUNE_TOKENS, find_draft_ar
+    from retrace.bench.ortgenai_peers import TUNE_TOKENS, find_draft_ar, measure_best
     from retrace.bench.precision import llamacpp_type
 
     seen = set()
@@ -271,8 +248,8 @@ def add_llama_server_systems(built, cfg, cache: Path, threads: int, tune_prompts
                     system.settings = {"speculative": options[-1], **extra,
                                        "chosen_by": "the only setting" if len(options) == 1 else "no tuning prompts"}
                 else:
-                    system, spec, table = fastest(make, options, list(tune_prompts)[:2],
-                                                  min(TUNE_TOKENS, cfg.max_new_tokens))
+                    system, spec, table = measure_best(make, options, list(tune_prompts)[:2],
+                                                       min(TUNE_TOKENS, cfg.max_new_tokens))
                     system.settings = {"speculative": spec, **extra, "candidates": table,
                                        "chosen_by": f"fastest of {len(options)} settings"}
                 built.systems.append(system)

@@ -26,19 +26,28 @@ ADAPTIVE = {"max_draft_tokens": 8, "min_adaptive_k": 1}
 TUNE_TOKENS = 24
 
 
-def measure_best(make, options: list[dict], prompts: list[list[int]], n: int, passes: int = 2):
+def measure_best(make, options, prompts: list[list[int]], n: int, passes: int = 2):
     """Build a system per option with make(option), run each once to warm up, then `passes` times in
-    alternation; returns (fastest system, its option, [{**option, tokens_per_s}] for every option)."""
+    alternation; returns (fastest system, its option, [{**option, tokens_per_s}] for every option). The other
+    systems are closed (a llama-server each, retrace.bench.llamacpp_server), and all of them on an error."""
     systems = [make(o) for o in options]
-    for s in systems:
-        s.run(prompts, n, 1)
-    best = [float("inf")] * len(systems)
-    for _ in range(passes):
-        for i, s in enumerate(systems):
-            best[i] = min(best[i], s.run(prompts, n, 1).wall_s)
+    try:
+        for s in systems:
+            s.run(prompts, n, 1)
+        best = [float("inf")] * len(systems)
+        for _ in range(passes):
+            for i, s in enumerate(systems):
+                best[i] = min(best[i], s.run(prompts, n, 1).wall_s)
+    except BaseException:
+        for s in systems:
+            s.close()
+        raise
+    i = min(range(len(systems)), key=lambda j: best[j])
+    for j, s in enumerate(systems):
+        if j != i:
+            s.close()
     tokens = n * len(prompts)
     table = [{**o, "tokens_per_s": tokens / t} for o, t in zip(options, best, strict=True)]
-    i = min(range(len(systems)), key=lambda j: best[j])
     return systems[i], options[i], table
 
 
