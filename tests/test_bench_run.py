@@ -142,8 +142,8 @@ def test_ratios_are_tokens_per_s_over_the_peer_at_the_same_batch(run):
     ok = {(s["name"], s["batch_size"]): s for s in r["systems"] if s["status"] == "ok"}
     assert r["ratios"]
     for x in r["ratios"]:
-        assert x["system"].startswith("retrace-") and x["peer"] in PEERS
-        peer = ok.get((x["peer"], x["batch_size"]))
+        assert x["system"].startswith("retrace-") and (x["peer"] in PEERS or x["peer"] == "fastest-peer")
+        peer = ok.get((x.get("peer_name") or x["peer"], x["batch_size"]))
         if peer is None:
             assert x["ratio"] is None
         else:
@@ -281,3 +281,29 @@ def test_ratios_compare_at_the_same_weight_precision():
     assert got["retrace-onnxruntime-ar-int4b256", "ortgenai-ar"] == pytest.approx(0.8)
     assert got["retrace-onnxruntime-ar", "ortgenai-ar"] == pytest.approx(0.8)
     assert got["retrace-onnxruntime-ar-int8", "ortgenai-ar"] is None
+
+
+def test_the_fastest_peer_is_whoever_ran_fastest_at_the_same_batch_and_width():
+    """"x fastest peer": over the fastest peer system of the same batch size and weight width, onnxruntime-genai's
+    or llama.cpp's (its GGUF type names the width), never one of ours and never another width."""
+    from retrace.bench.analysis import ratios
+    from retrace.bench.precision import width_of
+
+    assert [width_of(n) for n in ("llamacpp-dflash-q4_k_m", "llamacpp-ar-q8_0", "ortgenai-ngram-int4b256",
+                                  "retrace-onnxruntime-ar", "hf-ar")] == ["int4", "int8", "int4", "fp32", "fp32"]
+
+    def system(name, tps, family="peer", b=1):
+        return {"name": name, "family": family, "status": "ok", "batch_size": b, "tokens_per_s": tps}
+
+    got = {(r["system"], r["batch_size"]): r for r in ratios([
+        system("retrace-onnxruntime-retrace-int4b256", 80.0, "retrace"),
+        system("retrace-onnxruntime-ar", 9.0, "retrace"),
+        system("retrace-onnxruntime-ar-int4b256", 60.0, "retrace", b=4),
+        system("ortgenai-ngram-int4b256", 64.0), system("llamacpp-server-ngram-q4_k_m", 40.0),
+        system("llamacpp-dflash-q4_k_m", 30.0, b=4), system("ortgenai-ar", 12.0), system("llamacpp-ar-q8_0", 99.0),
+    ]) if r["peer"] == "fastest-peer"}
+    assert got["retrace-onnxruntime-retrace-int4b256", 1]["peer_name"] == "ortgenai-ngram-int4b256"
+    assert got["retrace-onnxruntime-retrace-int4b256", 1]["ratio"] == pytest.approx(1.25)
+    assert got["retrace-onnxruntime-ar", 1]["peer_name"] == "ortgenai-ar"
+    assert got["retrace-onnxruntime-ar-int4b256", 4]["peer_name"] == "llamacpp-dflash-q4_k_m"
+

@@ -9,7 +9,7 @@ import statistics
 
 from retrace.bench.config import GOALS, HEADLINE, PEERS, BenchConfig
 from retrace.bench.lineup import Built
-from retrace.bench.precision import of_name
+from retrace.bench.precision import of_name, width_of
 from retrace.bench.prompts import BenchPrompt
 from retrace.bench.systems import RunOut
 
@@ -116,7 +116,7 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
                 "agreement": {"reference": f"{ref_key[0]}@b{ref_key[1]}", **_compare(rs[0].outputs, ref)},
             })
         for sk in built.skipped:
-            systems.append({"name": sk["name"], "family": "peer" if sk["name"] in PEERS else "retrace",
+            systems.append({"name": sk["name"], "family": "retrace" if sk["name"].startswith("retrace-") else "peer",
                             "backend": None, "mode": None, "batch_size": b, "status": "skipped",
                             "reason": sk["reason"], "tokens_per_s": None, "tokens_per_s_runs": [], "tau": None,
                             "time_split": None})
@@ -146,10 +146,21 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
     return results
 
 
+FASTEST_PEER = "fastest-peer"
+
+
 def ratios(systems: list[dict]) -> list[dict]:
     """tokens/s of every retrace configuration over every peer at the same batch size and weight precision
-    (the peer's name with the system's precision suffix, retrace.bench.precision; None where n/a)."""
+    (the peer's name with the system's precision suffix, retrace.bench.precision; None where n/a), and over
+    the fastest peer system that ran at that batch size and weight width, whoever it is (peer FASTEST_PEER,
+    its name in `peer_name`: onnxruntime-genai's or llama.cpp's modes alike)."""
     ok = {(s["name"], s["batch_size"]): s for s in systems if s["status"] == "ok"}
+    fastest: dict[tuple[int, str], dict] = {}
+    for s in ok.values():
+        key = (s["batch_size"], width_of(s["name"]))
+        if s["family"] != "retrace" and s["tokens_per_s"] and (
+                key not in fastest or s["tokens_per_s"] > fastest[key]["tokens_per_s"]):
+            fastest[key] = s
     out = []
     for s in systems:
         if s["family"] != "retrace" or s["status"] != "ok":
@@ -158,6 +169,10 @@ def ratios(systems: list[dict]) -> list[dict]:
             p = ok.get((peer + of_name(s["name"]), s["batch_size"]))
             out.append({"system": s["name"], "batch_size": s["batch_size"], "peer": peer,
                         "ratio": s["tokens_per_s"] / p["tokens_per_s"] if p and p["tokens_per_s"] else None})
+        f = fastest.get((s["batch_size"], width_of(s["name"])))
+        out.append({"system": s["name"], "batch_size": s["batch_size"], "peer": FASTEST_PEER,
+                    "peer_name": f["name"] if f else None,
+                    "ratio": s["tokens_per_s"] / f["tokens_per_s"] if f else None})
     return out
 
 

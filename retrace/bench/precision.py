@@ -47,3 +47,14 @@ def of_name(name: str) -> str:
 
 def llamacpp_type(precision: str) -> str | None:
     return LLAMACPP_TYPES.get(precision.partition(":")[0])
+
+
+def width_of(name: str) -> str:
+    """The weights a system's name says it runs: 'int4' / 'int8' (our and onnxruntime-genai's precision suffix,
+    or llama.cpp's GGUF type: q4_k_m, q8_0), else 'fp32'."""
+    suffix = of_name(name)
+    if suffix:
+        return suffix[1:5]
+    low = name.lower()
+    return next((w for w, t in LLAMACPP_TYPES.items() if low.endswith("-" + t.lower())), "fp32")
+

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 PEER_COLUMNS = (("hf-ar", "x hf-ar"), ("hf-dflash", "x hf-dflash"), ("ortgenai-ar", "x ortgenai-ar"),
-                ("ortgenai-ngram", "x ortgenai-ngram"), ("ortgenai-draft", "x ortgenai-draft"))
+                ("ortgenai-ngram", "x ortgenai-ngram"), ("ortgenai-draft", "x ortgenai-draft"),
+                ("fastest-peer", "x fastest peer"))
 
 
 def _f(x, fmt: str = "{:.1f}", none: str = "n/a") -> str:
