@@ -159,3 +159,28 @@ def test_the_server_is_gone_after_close(zoo_ggufs, tmp_path):
     s.close()
     assert proc.poll() is not None
     assert not os.path.exists(f"/proc/{proc.pid}/status") or "zombie" in open(f"/proc/{proc.pid}/status").read()
+
+
+def test_a_worker_whose_parent_goes_away_closes_its_systems(monkeypatch):
+    """A bench worker (retrace.bench.worker) closes its systems, a llama-server each, when its input ends (the
+    parent died without a `close`), so no server outlives the bench."""
+    import io
+
+    from retrace.bench import lineup, worker
+    from retrace.bench.systems import System
+
+    class Held(System):
+        name, closed = "llamacpp-server-ar-q4_k_m", 0
+
+        def close(self):
+            self.closed += 1
+
+    held = Held()
+    built = Built()
+    built.systems.append(held)
+    monkeypatch.setattr(lineup, "build_systems", lambda *a, **k: built)
+    req = {"op": "build", "config": {"target": "t", "drafter": "d", "prompts": []}, "threads": 1, "max_seq_len": 64,
+           "max_batch": 1, "group": "llamacpp", "batch_sizes": [1]}
+    out = io.StringIO()
+    worker._serve(io.StringIO(json.dumps(req) + "\n"), out)  # then end of input, no close
+    assert json.loads(out.getvalue().splitlines()[0])["ok"] and held.closed == 1

@@ -31,43 +31,47 @@ def _serve(inp, out) -> None:
 
     built = None
     cfg = None
-    for line in inp:
-        req = json.loads(line)
-        op = req.get("op")
-        try:
-            if op == "build":
-                fields = {f.name for f in dataclasses.fields(BenchConfig)}
-                cfg = BenchConfig(**{k: v for k, v in req["config"].items() if k in fields})
-                built = build_systems(cfg, req["threads"], req["max_seq_len"], req["max_batch"], lambda m: None,
-                                             bundle_seq_len=req.get("bundle_seq_len"),
-                                             tune_prompts=req.get("tune_prompts"), groups=(req["group"],))
-                reply = {"systems": [{"name": s.name, "family": s.family, "backend": s.backend, "mode": s.mode,
-                                      "settings": getattr(s, "settings", None),
-                                      "supports": {str(b): s.supports(b) for b in req["batch_sizes"]}}
-                                     for s in built.systems],
-                         "skipped": built.skipped, "builds": built.builds,
-                         "omp_wait_policy": OMP_AT_START}
-            elif op == "run":
-                s = next(s for s in built.systems if s.name == req["name"])
-                r = s.run(req["prompts"], req["n"], req["batch_size"])
-                reply = {"run": dataclasses.asdict(r)}
-            elif op == "profile":
-                reply = {"profile": profile_run(req["path"], [s for s in built.systems if s.name == req["name"]],
-                                                    req["prompts"], req["n"], lambda m: None)}
-            elif op == "close":
-                for s in built.systems if built else []:
-                    s.close()
-                out.write(json.dumps({"ok": True}) + "\n")
-                out.flush()
-                return
-            else:
-                raise RetraceError(f"unknown worker op {op!r}")
-            reply["ok"] = True
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
-            traceback.print_exc(file=sys.stderr)
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
+    try:
+        for line in inp:
+            req = json.loads(line)
+            op = req.get("op")
+            try:
+                if op == "build":
+                    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+                    cfg = BenchConfig(**{k: v for k, v in req["config"].items() if k in fields})
+                    built = build_systems(cfg, req["threads"], req["max_seq_len"], req["max_batch"], lambda m: None,
+                                                 bundle_seq_len=req.get("bundle_seq_len"),
+                                                 tune_prompts=req.get("tune_prompts"), groups=(req["group"],))
+                    reply = {"systems": [{"name": s.name, "family": s.family, "backend": s.backend, "mode": s.mode,
+                                          "settings": getattr(s, "settings", None),
+                                          "supports": {str(b): s.supports(b) for b in req["batch_sizes"]}}
+                                         for s in built.systems],
+                             "skipped": built.skipped, "builds": built.builds,
+                             "omp_wait_policy": OMP_AT_START}
+                elif op == "run":
+                    s = next(s for s in built.systems if s.name == req["name"])
+                    r = s.run(req["prompts"], req["n"], req["batch_size"])
+                    reply = {"run": dataclasses.asdict(r)}
+                elif op == "profile":
+                    reply = {"profile": profile_run(req["path"], [s for s in built.systems if s.name == req["name"]],
+                                                        req["prompts"], req["n"], lambda m: None)}
+                elif op == "close":
+                    for s in built.systems if built else []:
+                        s.close()
+                    out.write(json.dumps({"ok": True}) + "\n")
+                    out.flush()
+                    return
+                else:
+                    raise RetraceError(f"unknown worker op {op!r}")
+                reply["ok"] = True
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
+                traceback.print_exc(file=sys.stderr)
+                reply = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+            out.write(json.dumps(reply) + "\n")
+            out.flush()
+    finally:  # the parent closed, or went away (end of input), or this failed: no system outlives the worker
+        for s in built.systems if built else []:
+            s.close()
 
 
 OMP_AT_START: str | None = None
