@@ -34,7 +34,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from retrace.bench.llamacpp_build import tool
+from retrace.bench.llamacpp_build import build_gguf, tool
 from retrace.bench.systems import RunOut, System
 from retrace.errors import RetraceError
 
@@ -208,7 +208,6 @@ def vocab_matched(draft_dir: Path, target_dir: str | Path, cache: Path) -> Path:
 def add_llama_server_systems(built, cfg, cache: Path, threads: int, tune_prompts, log, n_ctx: int) -> None:
     """The llama-server systems at each quantized precision of cfg.weights (see the module docstring)."""
     from retrace.bench.config import wanted
-    from retrace.bench.llamacpp_build import build_gguf, tool
     from retrace.bench.ortgenai_peers import TUNE_TOKENS, find_draft_ar, measure_best
     from retrace.bench.precision import llamacpp_type
 
@@ -223,12 +222,12 @@ def add_llama_server_systems(built, cfg, cache: Path, threads: int, tune_prompts
         if not names:
             continue
         try:
-            tool("llama-server")
+            server = tool("llama-server")
             gguf = build_gguf(cfg.target, cache, gtype, log)
         except (RetraceError, OSError) as e:
             built.skip(list(names.values()), str(e).splitlines()[0])
             continue
-        built.builds[f"llamacpp_server_{gtype.lower()}"] = {"gguf": str(gguf), "server": str(tool("llama-server"))}
+        built.builds[f"llamacpp_server_{gtype.lower()}"] = {"gguf": str(gguf), "server": str(server)}
         for mode, name in names.items():
             draft_kind, options = SERVER_MODES[mode]
             try:
