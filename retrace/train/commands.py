@@ -54,22 +54,22 @@ def train() -> None:
 def dflash_cmd(target_dir, data, resume, quiet, as_json, out_dir, global_batch, force, **settings) -> None:
     """Distil a DFlash drafter from a frozen target on the target's own responses."""
     from retrace.train.dflash import train_dflash
-    from retrace.train.distributed import from_env, grad_accum_for
+    from retrace.train.distributed import end_worker, from_env, grad_accum_for
 
     dist = from_env()
     grad_accum = grad_accum_for(settings["batch_size"], settings["grad_accum"], global_batch, dist.world)
     cfg = from_options(DFlashConfig, settings, grad_accum=grad_accum)
     m = train_dflash(target_dir, out_dir, data, cfg, resume=resume, progress=not quiet, force=force)
     if not dist.is_main:
-        return
-    if m.get("stopped") and not as_json:
+        pass
+    elif m.get("stopped") and not as_json:
         click.echo(f"stopped at step {m['steps']} of {cfg.steps}; continue with --resume")
-        return
-    if as_json:
+    elif as_json:
         click.echo(json.dumps(m))
     else:
         click.echo(f"wrote {out_dir}: {m['steps']} steps, train loss {m['train_loss']}, val {m['val']}, "
                    f"runtime tau (val, greedy) {m['val_runtime_tau']}")
+    end_worker(dist)
 
 
 @train.command("draft-vocab")
@@ -122,20 +122,22 @@ def draft_vocab_cmd(target_dir, drafter_dir, data, responses, size, coverage, nu
 def conditioner_cmd(target_dir, data, resume, quiet, as_json, drafter_dir, out_dir, force, **settings) -> None:
     """Train the ReTrace conditioner on-policy on a frozen drafter and target."""
     from retrace.train.conditioner import train_conditioner
-    from retrace.train.distributed import from_env
+    from retrace.train.distributed import end_worker, from_env
 
     cfg = from_options(ConditionerConfig, settings)
     m = train_conditioner(target_dir, drafter_dir, data, out_dir, cfg, resume=resume, progress=not quiet,
                           force=force)
-    if not from_env().is_main:
-        return
-    if as_json:
+    dist = from_env()
+    if not dist.is_main:
+        pass
+    elif as_json:
         click.echo(json.dumps(m))
     else:
         f = m["final"] or {}
         click.echo(f"wrote conditioner to {out_dir or drafter_dir}: {m['steps']} steps, mean gate {m['mean_gate']}, "
                    f"val tau dflash {m['val_dflash_runtime_tau'].get('tau_mean')} vs retrace "
                    f"{(f.get('val_runtime') or {}).get('tau_mean')}")
+    end_worker(dist)
 
 
 @click.group()
