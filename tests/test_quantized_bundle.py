@@ -23,7 +23,8 @@ from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from retrace.runtime.prompt_lookup import PromptLookup
-from retrace.runtime.row_invariance import RowWidths, rows_matching_decodes
+from retrace.runtime.nbits_probe import probe_rule
+from retrace.runtime.row_invariance import RowWidths, rows_matching_decodes, stricter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, BLOCK, MAX_BATCH, MAX_SEQ, MAX_NEW = 16, 8, 8, 128, 40
@@ -109,11 +110,15 @@ def test_greedy_equals_the_bundles_own_ar(qbundle, mode):
 def test_verify_rows_are_bit_identical_to_the_decode_steps(qbundle):
     """retrace.runtime.row_invariance: every row of a T-token call (T = 2..9, odd and even) carries the
     same logits, bit for bit, as the one-token decode step of `ar` at that position, so greedy speculative
-    decoding cannot leave `ar` at a near tie; in the LM head session too. Here the linear layers' block (16)
-    is row-invariant and the head's (64) needs an even number of rows; without the padding rows differ."""
+    decoding cannot leave `ar` at a near tie; in the LM head session too. The rules are this CPU's, probed
+    (runtime/nbits_probe.py): the linear layers' block (16) is row-invariant on the CPUs measured, the head's
+    (64) needs an even number of rows (AVX-512) or two (AVX2); without the padding rows differ."""
+    head = probe_rule(32, 4, 64, 4, 1)  # K: the pair's hidden size
+    body = stricter(*(probe_rule(k, 4, 16, 4, 1) for k in (32, 48)))  # hidden = heads x head_dim, intermediate
+    assert head in ("two", "pairs")
     for kw in ({}, {"lm_head_session": True}):
         be = OnnxRuntimeBackend.from_bundle(qbundle[0], threads=1, **kw)
-        assert be.inplace.pad and be.widths == RowWidths(tokens="any", rows="pairs")
+        assert be.inplace.pad and be.widths == RowWidths(tokens=body, rows=head)
         got = rows_matching_decodes(be)
         assert got == {w: w for w in got}, (kw, got)
     got = rows_matching_decodes(OnnxRuntimeBackend.from_bundle(qbundle[0], threads=1, row_invariant=False))
@@ -261,3 +266,45 @@ def test_int8_graphs_of_the_session_bundle_decode_like_their_own_ar(tmp_path):
     for mode, head in (("dflash", None), ("retrace", None), ("retrace", True), ("ar", True)):
         rt = Runtime.from_bundle(bundle, threads=1, lm_head_session=head)
         assert [r.token_ids for r in rt.generate(prompts, params, mode)] == want, (mode, head)
+
+
+def test_row_rules_are_probed_on_this_cpu(monkeypatch):
+    """runtime/nbits_probe.classify names the weakest padding under which a kernel's rows agree; a kernel that
+    no padding fixes is reported (a warning naming the way out) and padded as pairs."""
+    from retrace.runtime import nbits_probe, row_invariance
+
+    x = torch.arange(24.0).reshape(6, 4).numpy()
+    alone = x + 1e-3  # what a one-row kernel computes differently
+
+    def widths(change):  # {M: the first M rows as one M-row call computes them}
+        return {m: change(m, x[:m].copy()) for m in range(1, 7)}
+
+    def odd_last(m, y):
+        y[-1] = alone[m - 1] if m % 2 else y[-1]
+        return y
+
+    def everything(m, y):
+        return y + m * 1e-3
+
+    assert nbits_probe.classify(widths(lambda m, y: y)) == "any"
+    assert nbits_probe.classify(widths(lambda m, y: alone[:1] if m == 1 else y)) == "two"
+    assert nbits_probe.classify(widths(odd_last)) == "pairs"
+    assert nbits_probe.classify(widths(everything)) is None
+    # the real kernel: float weights need nothing; int4 at block 16 agrees at every width on the CPUs measured
+    assert row_invariance.nbits_rule(None, None) == "any"
+    assert nbits_probe.probe_rule(64, 4, 16, 4, 1) == "any"
+    monkeypatch.setattr(nbits_probe, "probe_rule", lambda *a: None)
+    with pytest.warns(RuntimeWarning, match="--weight-block-size 16"):
+        assert row_invariance.nbits_rule(256, 4, 4, (64,)) == "pairs"
+
+
+def test_a_block_32_bundle_is_row_invariant_on_this_cpu(tmp_path):
+    """Block 32 agrees at every width on an AVX-512 Xeon and not on an AVX2 EPYC (a one-row call differs):
+    the fixed table this probe replaced left such a bundle unpadded there, and no verify row matched its
+    decode step. Probed, every row matches on whichever CPU runs this."""
+    from helpers import write_target
+
+    target = write_target(tmp_path / "target", vocab=V, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+    cli_build(target, None, tmp_path / "b", 2, 32, "--weights", "int4", "--weight-block-size", "32", "--quiet")
+    got = rows_matching_decodes(OnnxRuntimeBackend.from_bundle(tmp_path / "b", threads=1, max_batch=2))
+    assert got == {w: w for w in got}, got

@@ -283,7 +283,8 @@ class OnnxRuntimeBackend:
         self.threads = threads
         # measured on the CPU provider only (runtime/row_invariance.py); other providers' kernels: not padded
         cpu = PROVIDER_DEVICE.get(first_provider(self.providers)) == "cpu"
-        self.widths = row_widths(bundle, self.inplace) if row_invariant and cpu else None
+        self.widths = (row_widths(bundle, self.inplace, self.target_config.layers, threads)
+                       if row_invariant and cpu else None)
 
         dtype = self.tgraph.dtype("past_key_0")
         tc = self.target_config.layers
@@ -547,13 +548,19 @@ def as_presents(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"present_" + name[len("past_"):]: t for name, t in caches.items()}
 
 
-def row_widths(bundle: Bundle, inplace) -> RowWidths:
-    """What the target's kernels need for row-invariant calls (retrace.runtime.row_invariance): the body's
-    MatMulNBits and, unless the in-place graph pads it, attention's one-token path; the LM head's."""
+def row_widths(bundle: Bundle, inplace, layers, threads: int | None) -> RowWidths:
+    """What the target's kernels need for row-invariant calls on this CPU (retrace.runtime.row_invariance):
+    the body's MatMulNBits (depths: hidden, attention output, MLP) and, unless the in-place graph pads it,
+    attention's one-token path; the LM head's (depth: hidden)."""
     q = bundle.manifest.get("quantization") or {}
-    level = q.get("accuracy_level")
-    body = nbits_rule(q.get("block_size"), level) if q else "any"
-    head = nbits_rule(q.get("lm_head_block_size", q.get("block_size")), level) if q.get("lm_head") else "any"
+    if not q:
+        body = head = "any"
+    else:
+        bits, level, block = q.get("bits", 4), q.get("accuracy_level"), q.get("block_size")
+        depths = (layers.hidden_size, layers.num_attention_heads * layers.head_dim, layers.intermediate_size)
+        body = nbits_rule(block, level, bits, depths, threads)
+        head = (nbits_rule(q.get("lm_head_block_size", block), level, bits, (layers.hidden_size,), threads)
+                if q.get("lm_head") else "any")
     return RowWidths(tokens=stricter(body, "any" if inplace is not None and inplace.pad else "two"), rows=head)
 
 

@@ -2,20 +2,21 @@
 a verify row's logits are bit-identical to the decode step's that `ar` runs and greedy speculative decoding
 reproduces `ar` exactly, not only up to near ties.
 
-Measured on ONNX Runtime 1.32, CPU provider, AVX-512 (docs/quantization.md, "Row invariance"):
-- GroupQueryAttention has a one-token path: a T=1 call's attention output differs in the last bits from
-  the same row in any T >= 2 call (widths >= 2 agree bit for bit). The in-place graph therefore gives the
-  operator max(T, 2) rows (retrace.runtime.kv_inplace `pad_attention`): one attention row more for a
+Measured on ONNX Runtime 1.32, CPU provider (docs/quantization.md, "Row invariance"):
+- GroupQueryAttention has a one-token path (AVX-512): a T=1 call's attention output differs in the last bits
+  from the same row in any T >= 2 call (widths >= 2 agree bit for bit). The in-place graph therefore gives
+  the operator max(T, 2) rows (retrace.runtime.kv_inplace `pad_attention`): one attention row more for a
   one-token call, nothing for wider ones (until 2026-12-03 every call got T + 1).
 - float MatMul (MLAS SGEMM) is row-invariant at every M.
-- MatMulNBits with int8 activations (accuracy_level 4): row-invariant at every M for quantization blocks
-  <= 32; at blocks >= 64 a one-row kernel (faster: the decode step's) differs from the multi-row one, which
-  also computes the odd last row of M by the one-row kernel: rows agree only when M is even. At accuracy
-  levels 0-3 only M = 1 differs.
+- MatMulNBits depends on the CPU as well as on the bits, block size and accuracy level, so the rule is
+  probed on this machine when a bundle loads (runtime/nbits_probe.py). Int4, accuracy_level 4: on an
+  AVX-512 Intel Xeon every M agrees for blocks <= 32, and at blocks >= 64 a one-row kernel (the decode
+  step's) also computes the odd last row of M, so rows agree only when M is even ("pairs"); on an AVX2 AMD
+  EPYC only block 16 agrees at every M, and blocks 32-256 need M >= 2 ("two"); int8 there agrees at every M.
+  Accuracy levels 0-3: M >= 2.
 - int8 activation rounding turns last-bit differences into ~1e-3 of the logits: before this module 3-4 of
   16 prompts x 96 tokens of the int4 0.6B bundle's fixed-policy retrace and prompt-lookup outputs left its
   own `ar` output at near ties.
-
 `RowWidths` pads what the kernels need: the tokens of a call (input_ids, positions and a tree's mask)
 and the logits rows (logits_index), each by at most one entry. Rules: "any" (nothing), "two" (M >= 2),
 "pairs" (M even). M counts rows over the whole batch (N rows x T tokens, or N x K logits rows). Pad tokens
@@ -27,6 +28,7 @@ execution provider only: other providers' kernels were not measured, and their c
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,13 +37,23 @@ SPARE = 1  # cache entries beyond max_seq_len: the pad row of a call that ends a
 RULES = ("any", "two", "pairs")
 
 
-def nbits_rule(block_size: int | None, accuracy_level: int | None) -> str:
-    """The rows a MatMulNBits of this block size / accuracy level needs to be row-invariant (see above)."""
+def nbits_rule(block_size: int | None, accuracy_level: int | None, bits: int = 4, ks: tuple[int, ...] = (),
+               threads: int | None = 1) -> str:
+    """The rows this CPU's MatMulNBits of these settings needs to be row-invariant at each depth K in `ks`
+    (probed: runtime/nbits_probe.py); "any" for float weights. A kernel that no padding makes row-invariant
+    is reported once (exactness then holds only up to near ties) and padded as "pairs"."""
     if block_size is None:  # float
         return "any"
-    if accuracy_level == 4:
-        return "any" if block_size <= 32 else "pairs"
-    return "two"
+    from retrace.runtime.nbits_probe import probe_rule
+
+    rules = [probe_rule(k, bits, block_size, accuracy_level or 0, threads) for k in ks]
+    if None in rules:
+        warnings.warn(f"MatMulNBits ({bits} bits, block {block_size}, accuracy_level {accuracy_level}) computes "
+                      "rows differently at every width on this CPU: speculative outputs equal `ar` only up to near "
+                      "ties; a bundle built with --weight-block-size 16 is row-invariant on the CPUs measured",
+                      RuntimeWarning, stacklevel=2)
+        return "pairs"
+    return stricter("any", *rules)
 
 
 def stricter(*rules: str) -> str:
