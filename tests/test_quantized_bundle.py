@@ -21,9 +21,9 @@ from test_runtime_sampling import ALPHA, chi_square
 
 from retrace.errors import RetraceError
 from retrace.runtime import Runtime, SamplingParams
+from retrace.runtime.nbits_probe import probe_rule
 from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from retrace.runtime.prompt_lookup import PromptLookup
-from retrace.runtime.nbits_probe import probe_rule
 from retrace.runtime.row_invariance import RowWidths, rows_matching_decodes, stricter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
