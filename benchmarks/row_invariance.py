@@ -4,7 +4,8 @@ docs/quantization.md, "Row invariance", and the reason for retrace/runtime/row_i
     python benchmarks/row_invariance.py [--threads 2] [--bundle DIR ...]
 
 Kernels, random weights at the Qwen3-0.6B shape: for M = 1..16 rows, is each row of an M-row call bit-equal to
-the same row in a 16-row call? (float MatMul; MatMulNBits int4 at blocks 16-256 and accuracy levels 0 and 4;
+the same row in a 16-row call? (float MatMul; MatMulNBits int4 at blocks 16-256 and accuracy levels 0 and 4,
+int8 at level 4, each with the rule the backend probes for it on this CPU;
 GroupQueryAttention over a 40-token past, each one-token call against the matching row of an 8-token one.)
 `--bundle`: the bundle-level check (`rows_matching_decodes`) with and without the padding.
 """
@@ -96,11 +97,15 @@ def main() -> None:
     print("widths M (1..15) whose rows differ from the same rows of a 16-row call:")
     for K, N in shapes:
         print(f"  float MatMul {K}x{N}: {_widths_that_differ(_session(_matmul(K, N, rng), args.threads), K, rng)}")
-    for level in (0, 4):
+    from retrace.runtime.nbits_probe import probe_rule
+
+    for level, bits in ((0, 4), (4, 4), (4, 8)):
         for block in (16, 32, 64, 128, 256):
             for K, N in shapes[:2]:
-                s = _session(_nbits(_matmul(K, N, rng), block, level), args.threads)
-                print(f"  MatMulNBits int4 level {level} block {block} {K}x{N}: {_widths_that_differ(s, K, rng)}")
+                s = _session(_nbits(_matmul(K, N, rng), block, level, bits), args.threads)
+                print(f"  MatMulNBits int{bits} level {level} block {block} {K}x{N}: {_widths_that_differ(s, K, rng)}"
+                      f"; the rule the runtime probes (runtime/nbits_probe.py): "
+                      f"{probe_rule(K, bits, block, level, args.threads)}")
     gqa = _gqa_one_token_differs(args.threads, rng)
     print(f"GroupQueryAttention: one-token calls vs an 8-token call, max |diff| {gqa:.2g}")
     if args.bundle:
