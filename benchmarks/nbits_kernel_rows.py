@@ -18,23 +18,11 @@ import time
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
-from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+from retrace.runtime.nbits_probe import matmul_nbits
 
 SHAPES = ((1024, 6144), (3072, 1024), (1024, 8192))  # (K, N): gate/up merged, down, draft head
 ROWS = (1, 2, 4, 8, 16, 20)
-
-
-def nbits_matmul(k: int, n: int, rng) -> bytes:
-    w = numpy_helper.from_array((rng.standard_normal((k, n)) * 0.02).astype(np.float32), "W")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "matmul",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], [w])
-    config = DefaultWeightOnlyQuantConfig(block_size=256, is_symmetric=True, accuracy_level=4)
-    quantizer = MatMulNBitsQuantizer(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
-                                     algo_config=config)
-    quantizer.process()
-    return quantizer.model.model.SerializeToString()
 
 
 def median_ms(sess, x, reps: int) -> float:
@@ -58,7 +46,8 @@ def main() -> None:
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as our sessions run
     rng = np.random.default_rng(0)
     for k, n in SHAPES:
-        sess = ort.InferenceSession(nbits_matmul(k, n, rng), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(matmul_nbits(k, n, 4, 256, 4, seed=k + n), so,
+                                    providers=["CPUExecutionProvider"])
         one = None
         for m in ROWS:
             ms = median_ms(sess, rng.standard_normal((m, k)).astype(np.float32), args.reps)

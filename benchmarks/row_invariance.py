@@ -19,11 +19,13 @@ import numpy as np
 
 
 def _session(model, threads: int):
+    """A CPU session of an onnx model or of its serialized bytes."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
 def _matmul(K: int, N: int, rng):
@@ -35,16 +37,6 @@ def _matmul(K: int, N: int, rng):
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])],
                           [numpy_helper.from_array(w, "W")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def _nbits(model, block: int, level: int, bits: int = 4):
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-
-    cfg = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, accuracy_level=level, bits=bits)
-    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=True, accuracy_level=level,
-                             algo_config=cfg)
-    q.process()
-    return q.model.model
 
 
 def _widths_that_differ(sess, K: int, rng) -> list[int]:
@@ -97,12 +89,12 @@ def main() -> None:
     print("widths M (1..15) whose rows differ from the same rows of a 16-row call:")
     for K, N in shapes:
         print(f"  float MatMul {K}x{N}: {_widths_that_differ(_session(_matmul(K, N, rng), args.threads), K, rng)}")
-    from retrace.runtime.nbits_probe import probe_rule
+    from retrace.runtime.nbits_probe import matmul_nbits, probe_rule
 
     for level, bits in ((0, 4), (4, 4), (4, 8)):
         for block in (16, 32, 64, 128, 256):
             for K, N in shapes[:2]:
-                s = _session(_nbits(_matmul(K, N, rng), block, level, bits), args.threads)
+                s = _session(matmul_nbits(K, N, bits, block, level, seed=block + K), args.threads)
                 print(f"  MatMulNBits int{bits} level {level} block {block} {K}x{N}: {_widths_that_differ(s, K, rng)}"
                       f"; the rule the runtime probes (runtime/nbits_probe.py): "
                       f"{probe_rule(K, bits, block, level, args.threads)}")

@@ -15,8 +15,9 @@ and returns the weakest rule of row_invariance.RULES that makes the rows agree:
     two    rows of calls with M >= 2 agree with each other; a one-row call differs;
     pairs  rows of even-M calls agree; a one-row call and the odd last row of M differ.
 
-None when none does (no padding makes this CPU's kernel row-invariant): the caller turns exactness off and
-says so. Each probe takes a few milliseconds and is cached per process.
+None when none does (no padding makes this CPU's kernel row-invariant): row_invariance.nbits_rule then warns
+that exactness holds only up to near ties and pads as pairs. Each probe takes a few milliseconds and is
+cached per process.
 """
 
 from __future__ import annotations
@@ -29,27 +30,31 @@ PROBE_N = 64  # output columns of the probe matmul
 PROBE_ROWS = 6  # the widest call probed
 
 
-def _matmul_nbits(k: int, bits: int, block_size: int, accuracy_level: int, seed: int) -> bytes:
+def matmul_nbits(k: int, n: int, bits: int, block_size: int, accuracy_level: int, seed: int) -> bytes:
+    """One float [M, k] x [k, n] MatMul of random weights, quantized to MatMulNBits by ONNX Runtime's own
+    quantizer (symmetric, round to nearest): a serialized model with input x and output y (also what the
+    kernel benchmarks in benchmarks/ time)."""
     import logging
 
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    w = np.random.default_rng(seed).standard_normal((k, PROBE_N)).astype(np.float32) * 0.05
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "nbits_probe",
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32) * 0.05
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "matmul_nbits",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", PROBE_N])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
                               [numpy_helper.from_array(w, "W")])
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
                                           bits=bits)
     quantizer = MatMulNBitsQuantizer(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]),
                                      algo_config=config)
-    level = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").level
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")  # a progress line per call
+    level = log.level
+    log.setLevel(logging.WARNING)
     try:
         quantizer.process()
     finally:
-        logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(level)
+        log.setLevel(level)
     return quantizer.model.model.SerializeToString()
 
 
@@ -80,7 +85,7 @@ def probe_rule(k: int, bits: int, block_size: int, accuracy_level: int, threads:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or 0  # 0: ONNX Runtime's default
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(_matmul_nbits(k, bits, block_size, accuracy_level, seed=k), so,
+    sess = ort.InferenceSession(matmul_nbits(k, PROBE_N, bits, block_size, accuracy_level, seed=k), so,
                                 providers=["CPUExecutionProvider"])
     x = np.random.default_rng(k + 1).standard_normal((PROBE_ROWS, k)).astype(np.float32)
     return classify({m: sess.run(None, {"x": x[:m]})[0] for m in range(1, PROBE_ROWS + 1)})

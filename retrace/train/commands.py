@@ -60,15 +60,14 @@ def dflash_cmd(target_dir, data, resume, quiet, as_json, out_dir, global_batch, 
     grad_accum = grad_accum_for(settings["batch_size"], settings["grad_accum"], global_batch, dist.world)
     cfg = from_options(DFlashConfig, settings, grad_accum=grad_accum)
     m = train_dflash(target_dir, out_dir, data, cfg, resume=resume, progress=not quiet, force=force)
-    if not dist.is_main:
-        pass
-    elif m.get("stopped") and not as_json:
-        click.echo(f"stopped at step {m['steps']} of {cfg.steps}; continue with --resume")
-    elif as_json:
-        click.echo(json.dumps(m))
-    else:
-        click.echo(f"wrote {out_dir}: {m['steps']} steps, train loss {m['train_loss']}, val {m['val']}, "
-                   f"runtime tau (val, greedy) {m['val_runtime_tau']}")
+    if dist.is_main:  # only rank 0 reports
+        if m.get("stopped") and not as_json:
+            click.echo(f"stopped at step {m['steps']} of {cfg.steps}; continue with --resume")
+        elif as_json:
+            click.echo(json.dumps(m))
+        else:
+            click.echo(f"wrote {out_dir}: {m['steps']} steps, train loss {m['train_loss']}, val {m['val']}, "
+                       f"runtime tau (val, greedy) {m['val_runtime_tau']}")
     end_worker(dist)
 
 
@@ -128,11 +127,9 @@ def conditioner_cmd(target_dir, data, resume, quiet, as_json, drafter_dir, out_d
     m = train_conditioner(target_dir, drafter_dir, data, out_dir, cfg, resume=resume, progress=not quiet,
                           force=force)
     dist = from_env()
-    if not dist.is_main:
-        pass
-    elif as_json:
+    if dist.is_main and as_json:  # only rank 0 reports
         click.echo(json.dumps(m))
-    else:
+    elif dist.is_main:
         f = m["final"] or {}
         click.echo(f"wrote conditioner to {out_dir or drafter_dir}: {m['steps']} steps, mean gate {m['mean_gate']}, "
                    f"val tau dflash {m['val_dflash_runtime_tau'].get('tau_mean')} vs retrace "
