@@ -9,6 +9,14 @@ cached_step.py).
 If the compiler itself fails (no C++ toolchain, an unsupported op on this build), the step falls back to
 eager once, with a warning, and stays eager.
 
+Each step is compiled as its own function (a `partial`'s function with its bound arguments passed at each
+call): dynamo keeps one cache of graphs per code object, at most `recompile_limit` (8) entries, and compiled
+`partial`s all share one wrapper's code object, so the four steps shared 8 graphs and a runtime that needed
+more ran eagerly from then on, silently. And each argument keeps the kind of tensor (inference tensor or
+not) of its first call: dynamo guards on it, and the runtime's inputs are one or the other depending on where
+they were made (inside a backend's `torch.inference_mode` or in the loop); a change of kind recompiled the
+step (2 of the 8 compiles of tests/test_runtime_compile.py's inductor test).
+
 On the CPU inductor compiles with `freezing` (the weights are constants of the graph: inductor prepacks each
 linear layer's weight for oneDNN/MKL): at the Qwen3-0.6B shape the 168 projections of a 2-16 row step run
 2.5-4x faster than through `F.linear` (docs/static-cache.md), at the price of a packed copy of the
@@ -21,6 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -35,8 +44,11 @@ class CompiledStep:
             raise ValueError(f"compiler {compiler!r}: choose from {', '.join(COMPILERS)}")
         self.module, self.what = module, what
         self.freeze = freeze and compiler == "inductor" and os.environ.get("RETRACE_COMPILE_FREEZING", "1") != "0"
-        self.compiled = torch.compile(module, fullgraph=True, dynamic=True, backend=compiler)
+        fn, self.bound, self.bound_kw = ((module.func, module.args, module.keywords) if isinstance(module, partial)
+                                         else (module, (), {}))
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=compiler)
         self.fallback = False
+        self.kinds: list | None = None  # per argument: is_inference() of its first call's tensors
 
     def __call__(self, *args, **kwargs):
         if self.fallback:
@@ -50,16 +62,48 @@ class CompiledStep:
             return self.module(*args, **kwargs)
 
     def _run(self, *args, **kwargs):
+        args = self._same_kinds(args)
         if not self.freeze:
-            return self.compiled(*args, **kwargs)
+            return self.compiled(*self.bound, *args, **self.bound_kw, **kwargs)
         # inductor reads `freezing` when a call compiles (or recompiles), not from torch.compile's options=: set
         # around every call (a plain attribute swap, ~6 us; `config.patch` costs ~20 us per call here)
         cfg = torch._inductor.config
         old, cfg.freezing = cfg.freezing, True
         try:
-            return self.compiled(*args, **kwargs)
+            return self.compiled(*self.bound, *args, **self.bound_kw, **kwargs)
         finally:
             cfg.freezing = old
+
+    def _same_kinds(self, args: tuple) -> tuple:
+        """args with each tensor (top level, or in a tuple or list argument) of the kind it had at the first
+        call: a copy made in or out of inference mode where it differs (small index tensors in practice)."""
+        kinds = [_kinds(a) for a in args]
+        if self.kinds is None:
+            self.kinds = kinds
+        if kinds == self.kinds:
+            return args
+        first = self.kinds + [None] * max(0, len(args) - len(self.kinds))
+        return tuple(_as_kind(a, want) for a, want in zip(args, first))
+
+
+def _kinds(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.is_inference()
+    if isinstance(arg, (tuple, list)):
+        return tuple(_kinds(a) for a in arg)
+    return None
+
+
+def _as_kind(arg, want):
+    if isinstance(arg, torch.Tensor):
+        if want is None or arg.is_inference() == want:
+            return arg
+        with torch.inference_mode(want):
+            return arg.clone()
+    if isinstance(arg, (tuple, list)) and isinstance(want, tuple) and len(want) == len(arg):
+        items = [_as_kind(a, w) for a, w in zip(arg, want, strict=True)]
+        return type(arg)(*items) if hasattr(arg, "_fields") else type(arg)(items)
+    return arg
 
 
 class TwoRowDecode(CompiledStep):
