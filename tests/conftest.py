@@ -13,8 +13,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RETRACE_ORT_SPINNING", "0")
 
 import pytest  # noqa: E402
+import run_shared  # noqa: E402
 from helpers import TinyPair, write_drafter, write_target
 from runtime_fixtures import single_thread
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_shared_root(tmp_path_factory):
+    """The directory pytest-xdist's workers share for this run's shared builds (tests/run_shared.py)."""
+    base = tmp_path_factory.getbasetemp()
+    run_shared.ROOT = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    yield
+    run_shared.ROOT = None
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """A tiny model pair and its engine bundle, built ONCE per test session (shared by tests/test_export_*.py
 and tests/test_engine_*.py: exporting costs ~5-10 s per graph, so every test reuses this build).
 
+Built once per test run, shared by pytest-xdist's workers (tests/run_shared.py).
+
 `pair_and_bundle()` -> Built(target, drafter, bundle, build_output, prompts): a random 2-layer Qwen3 target with
 a word-level tokenizer and EOS-free generation, a random 1-layer drafter (block 8) with a random non-zero
 ReTrace conditioner, and `retrace-export build` run through click's CliRunner on them (so the CLI
@@ -9,12 +11,12 @@ itself is exercised). Tests must not modify `bundle`; copy it (`copy_bundle`) to
 
 from __future__ import annotations
 
-import atexit
 import functools
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from run_shared import shared_build
 
 VOCAB = 96
 BLOCK = 8
@@ -29,12 +31,6 @@ class Built:
     drafter: Path
     bundle: Path
     build_output: str
-
-
-def _tmp_root() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="retrace-export-tests-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return root
 
 
 def cli_build(target: Path, drafter: Path | None, out: Path, max_batch: int, max_seq_len: int, *extra: str) -> str:
@@ -54,14 +50,17 @@ def cli_build(target: Path, drafter: Path | None, out: Path, max_batch: int, max
 
 @functools.cache
 def pair_and_bundle() -> Built:
+    root, record = shared_build("export-pair-and-bundle", _build_pair_and_bundle)
+    return Built(root, root / "target", root / "drafter", root / "bundle", record["output"])
+
+
+def _build_pair_and_bundle(root: Path) -> dict:
     from runtime_fixtures import write_pair
 
-    root = _tmp_root()
     target, drafter = write_pair(root, vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96,
                                  block_size=BLOCK, conditioner="random", seed=3)
-    bundle = root / "bundle"
-    output = cli_build(target, drafter, bundle, MAX_BATCH, MAX_SEQ)
-    return Built(root, target, drafter, bundle, output)
+    assert (target, drafter) == (root / "target", root / "drafter")
+    return {"output": cli_build(target, drafter, root / "bundle", MAX_BATCH, MAX_SEQ)}
 
 
 def copy_bundle(dst: Path) -> Path:

@@ -21,7 +21,8 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from export_fixtures import _tmp_root, cli_build
+from export_fixtures import cli_build
+from run_shared import shared_build
 from runtime_fixtures import hf_greedy, load_hf_target, single_thread, write_pair
 from safetensors.torch import load_file, save_file
 
@@ -73,9 +74,12 @@ class DraftSpy:
 def shared_world() -> dict:
     """The pair (export_fixtures' session pair: same sizes and seed), a restricting draft vocabulary and their
     `--tree-mask` bundle, built once per session: tests/test_engine_ort_tree.py opens the same bundle with
-    `draft_vocab=False` (the full head) for its tree checks."""
+    `draft_vocab=False` (the full head) for its tree checks. Shared by pytest-xdist's workers (run_shared.py)."""
     with single_thread():
-        return _build_world(_tmp_root())
+        root, record = shared_build("draft-vocab-world", _build_world)
+    restricted = root / "drafter-restricted"
+    return dict(root=root, target=root / "target", drafter=root / "drafter", restricted=restricted,
+                vocab=DraftVocab.load(restricted, VOCAB), bundle=root / "bundle", **record)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +103,7 @@ def _build_world(root) -> dict:
     assert 0.3 < vocab.coverage < 1
     bundle = root / "bundle"
     cli_build(target, restricted, bundle, 4, 160, "--tree-mask", "--quiet")
-    return dict(root=root, target=target, drafter=drafter, restricted=restricted, vocab=vocab, bundle=bundle,
-                prompts=prompts, greedy=greedy)
+    return dict(prompts=prompts, greedy=greedy)
 
 
 # -- the map ---------------------------------------------------------------------------------------------------

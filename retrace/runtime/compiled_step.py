@@ -82,8 +82,8 @@ class CompiledStep:
             self.kinds = kinds
         if kinds == self.kinds:
             return args
-        first = self.kinds + [None] * max(0, len(args) - len(self.kinds))
-        return tuple(_as_kind(a, want) for a, want in zip(args, first))
+        first = (self.kinds + [None] * len(args))[:len(args)]
+        return tuple(_as_kind(a, want) for a, want in zip(args, first, strict=True))
 
 
 def _kinds(arg):
