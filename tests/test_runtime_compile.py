@@ -88,3 +88,26 @@ def test_inductor_frozen_steps_are_token_exact(tmp_path):
             assert got == expected, (mode, prompt)
     assert (1, 2) in widths and (1, 1) not in widths
     assert not be.target_step.fallback and not be.draft_step.fallback
+
+
+def test_sizes_equal_by_chance_do_not_recompile(tmp_path):
+    """A batch of 4 beside 4 K/V heads: with dynamo's duck sizing the first compile ties the two sizes, and
+    every other batch size recompiled the steps (at Qwen3's shapes: a verify width of 8 and 8 K/V heads, a
+    128-column window and the head dimension). The steps compile without it: a batch of 3 afterwards, same
+    prompts otherwise, compiles nothing new. Each step also has its own graph cache (runtime/compiled_step.py)."""
+    from torch._dynamo.utils import counters
+
+    target, drafter = write_pair(tmp_path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=4, intermediate=48,
+                                 block_size=4, conditioner="random", seed=6)
+    prompts = [[5, 9, 2, 40, 41], [7, 3, 8, 1, 2], [11, 12, 13, 14, 15], [20, 21, 22, 23, 24]]
+    torch._dynamo.reset()
+    counters.clear()
+    rt = Runtime.from_dirs(target, drafter, max_batch=4, max_seq_len=64, verify_policy="fixed", compile="eager")
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    first = rt.generate(prompts, params, "retrace")
+    graphs = counters["stats"]["unique_graphs"]
+    again = rt.generate(prompts[:3], params, "retrace")
+    assert counters["stats"]["unique_graphs"] == graphs, "a batch of 3 recompiled a step"
+    assert [r.token_ids for r in again] == [r.token_ids for r in first[:3]]
+    code = {step.compiled._torchdynamo_orig_callable for step in (rt.backend.target_step, rt.backend.draft_step)}
+    assert len(code) == 2  # the target's and the drafter's step functions, each compiled on its own

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.fx.experimental._config
 from torch import nn
 
 COMPILERS = ("inductor", "aot_eager", "eager")  # inductor: generated kernels; the others check the trace only
@@ -63,16 +64,18 @@ class CompiledStep:
 
     def _run(self, *args, **kwargs):
         args = self._same_kinds(args)
-        if not self.freeze:
-            return self.compiled(*self.bound, *args, **self.bound_kw, **kwargs)
-        # inductor reads `freezing` when a call compiles (or recompiles), not from torch.compile's options=: set
-        # around every call (a plain attribute swap, ~6 us; `config.patch` costs ~20 us per call here)
-        cfg = torch._inductor.config
-        old, cfg.freezing = cfg.freezing, True
+        # read when a call compiles (or recompiles), not from torch.compile's options=: set around every call (a
+        # plain attribute swap, ~6 us; `config.patch` costs ~20 us per call here). freezing: see above. No duck
+        # sizing: dynamo would otherwise tie sizes that are equal by chance at the first compile (a verify
+        # width of 8 and Qwen3's 8 K/V heads, a 128-column window and the head dimension) and recompile when
+        # they part
+        cfg, fx = torch._inductor.config, torch.fx.experimental._config
+        old = cfg.freezing, fx.use_duck_shape
+        cfg.freezing, fx.use_duck_shape = self.freeze or old[0], False
         try:
             return self.compiled(*self.bound, *args, **self.bound_kw, **kwargs)
         finally:
-            cfg.freezing = old
+            cfg.freezing, fx.use_duck_shape = old
 
     def _same_kinds(self, args: tuple) -> tuple:
         """args with each tensor (top level, or in a tuple or list argument) of the kind it had at the first

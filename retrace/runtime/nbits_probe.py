@@ -30,24 +30,28 @@ PROBE_N = 64  # output columns of the probe matmul
 PROBE_ROWS = 6  # the widest call probed
 
 
-def matmul_nbits(k: int, n: int, bits: int, block_size: int, accuracy_level: int, seed: int) -> bytes:
-    """One float [M, k] x [k, n] MatMul of random weights, quantized to MatMulNBits by ONNX Runtime's own
-    quantizer (symmetric, round to nearest): a serialized model with input x and output y (also what the
-    kernel benchmarks in benchmarks/ time)."""
-    import logging
-
+def float_matmul(k: int, n: int, seed: int):
+    """One float [M, k] x [k, n] MatMul of random weights (x -> y), an onnx ModelProto."""
     from onnx import TensorProto, helper, numpy_helper
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32) * 0.05
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "matmul_nbits",
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "matmul",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
                               [numpy_helper.from_array(w, "W")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def matmul_nbits(k: int, n: int, bits: int, block_size: int, accuracy_level: int, seed: int) -> bytes:
+    """`float_matmul` quantized to MatMulNBits by ONNX Runtime's own quantizer (symmetric, round to nearest): a
+    serialized model with input x and output y (also what the kernel benchmarks in benchmarks/ time)."""
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
                                           bits=bits)
-    quantizer = MatMulNBitsQuantizer(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]),
-                                     algo_config=config)
+    quantizer = MatMulNBitsQuantizer(float_matmul(k, n, seed), algo_config=config)
     log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")  # a progress line per call
     level = log.level
     log.setLevel(logging.WARNING)
