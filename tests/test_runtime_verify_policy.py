@@ -126,6 +126,24 @@ def test_drafting_turns_off_backs_off_and_comes_back():
     assert int(K[0]) == 3
 
 
+def test_a_probe_after_a_pause_drafts_the_narrowest_block():
+    """The first drafted round drafts the whole block (every slot's acceptance gets counted); once drafting
+    paused, the probe that ends the pause drafts the narrowest block (the cheapest re-measure: at batch 4 the
+    whole block can cost a decode step and so never pay, while a narrow one would), and the rounds after it
+    choose their width again."""
+    cost = LinearCost(0.1, 1.2)  # a whole-block draft costs more than a decode: the first rounds cannot pay
+    policy = AdaptivePolicy(16, cost, min_backoff=2, max_backoff=8, learn_cost=False)
+    wrong = torch.log(torch.tensor([[[0.45, 0.55]] * 15]))
+    assert policy.plan("retrace", 4) == 15
+    policy.choose("retrace", wrong, wrong.argmax(-1), [None])
+    assert policy.plan("retrace", 4) == 0  # paused
+    plans = [policy.plan("retrace", 4) for _ in range(2)]
+    assert plans == [0, 3], plans  # the backoff's rounds, then the narrowest block (slots 3 of 15, 7)
+    good = torch.log(torch.tensor([[[0.01, 0.99]] * 3]))
+    policy.choose("retrace", good, good.argmax(-1), [None])
+    assert policy.plan("retrace", 4) in policy.width.candidates  # drafting on, its width chosen again
+
+
 def test_fixed_policy_is_the_whole_block():
     p = FixedPolicy(16)
     assert p.plan("retrace", 5) == 15

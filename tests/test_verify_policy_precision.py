@@ -58,4 +58,4 @@ def test_drafting_is_skipped_on_int4_where_it_still_pays_on_fp32():
     # int4: the best rate is below plain decoding's, so the next rounds make no draft call at all
     assert int4.state["dflash"].off > 0
     assert [int4.plan("dflash", 1) for _ in range(int4.min_backoff)] == [0] * int4.min_backoff
-    assert int4.plan("dflash", 1) == B - 1  # then one probe round drafts again
+    assert int4.plan("dflash", 1) == int4.width.candidates[-1] == 3  # then a probe drafts again: the narrowest block

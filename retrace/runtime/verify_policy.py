@@ -20,7 +20,10 @@ Auto-off: K = 0 is plain decoding. The draft call itself is decided before draft
 not exist yet), from the recent gain g = best rate / plain-decoding rate N / t_verify(N, 1) of drafted
 rounds (an EMA): when g < 1 the next `backoff` rounds of that mode skip the draft call (K = 0 for every
 row); then one round drafts again (a probe: it verifies at least one draft per row, so the calibration keeps
-learning) and its g restarts the average. Each failed probe doubles
+learning) and its g restarts the average. A probe after a pause drafts the narrowest block (3 slots): the
+cheapest call that re-measures, and the only way a width that the cost model's prior priced out gets timed
+(at batch 4, fp32, the 0.6B shape: the whole block's 64 rows cost a decode step, its 4-slot block ~0.3 of
+one; probing with the whole block, drafting never came back). Each failed probe doubles
 the backoff (up to `max_backoff` rounds), a paying round resets it, so a drafter that never pays costs one
 draft call every `max_backoff` rounds and one that starts paying is back on within that many rounds.
 
@@ -146,6 +149,7 @@ class _ModeState:
     off: int = 0  # rounds left without a draft call
     backoff: int = 0
     gain: float | None = None  # EMA of best rate / plain-decoding rate over drafted rounds
+    paused: bool = False  # drafting was off: the next drafted round is a probe of the narrowest block
 
 
 class AdaptivePolicy:
@@ -181,6 +185,9 @@ class AdaptivePolicy:
         if st.off > 0:
             st.off -= 1
             return 0
+        if st.paused:  # the probe after a pause
+            st.paused = False
+            return self.width.candidates[-1]
         return self.width.choose(mode, rows, self.cost)
 
     def drafting_gain(self, mode: str) -> float | None:
@@ -220,7 +227,7 @@ class AdaptivePolicy:
         st = self._state(mode)
         st.gain = g if st.gain is None else st.gain + self.gain_alpha * (g - st.gain)
         if st.gain < 1.0:
-            st.off, st.gain = st.backoff, None  # the probe after the pause starts a fresh average
+            st.off, st.gain, st.paused = st.backoff, None, True  # the probe after the pause starts a fresh average
             st.backoff = min(2 * st.backoff, self.max_backoff)
         else:
             st.backoff = self.min_backoff
