@@ -46,9 +46,9 @@ def test_drafter_profiles_for_given_limits():
     assert p["verify"]["ctx_positions"] == ((1, 1), (2, 16), (4, 256))
     assert p["decode"]["ctx_positions"] == ((1, 1), (2, 1), (4, 1))
     for prof in te.PROFILES:  # the block is always B slots
-        assert p[prof]["block_ids"] == ((1, 16), (2, 16), (4, 16))
-        assert p[prof]["memory"] == ((1, 16, -1), (2, 16, -1), (4, 16, -1))
-        assert p[prof]["features"] == ((1, 16, -1), (2, 16, -1), (4, 16, -1))
+        assert p[prof]["block_ids"] == ((1, 2), (2, 16), (4, 16))  # narrower draft widths: blocks of 2..B
+        assert p[prof]["memory"] == ((1, 2, -1), (2, 16, -1), (4, 16, -1))
+        assert p[prof]["features"] == ((1, 2, -1), (2, 16, -1), (4, 16, -1))
         assert p[prof]["valid"] == p[prof]["corr_index"] == p[prof]["block_positions"] == p[prof]["block_ids"]
     assert p["prefill"]["past_key_{i}"][2] == (4, -1, 0, -1)
     assert p["decode"]["past_key_{i}"][2] == (4, -1, 256, -1)
@@ -62,7 +62,7 @@ def test_profiles_with_model_dims_and_defaults():
         "past_key_0", "past_key_1", "past_value_0", "past_value_1"]
     assert p["target"]["decode"]["past_key_1"] == ((1, 2, 0, 16), (1, 2, 64, 16), (1, 2, 64, 16))
     assert p["target"]["prefill"]["input_ids"][2] == (1, 64)  # max_prompt_len defaults to max_seq_len
-    assert p["drafter"]["verify"]["features"] == ((1, 8, 3),) * 3
+    assert p["drafter"]["verify"]["features"] == ((1, 2, 3), (1, 8, 3), (1, 8, 3))
     for bad in [(0, 64, 8, 8), (1, 64, 1, 8), (1, 4, 8, 4), (1, 64, 8, 65)]:
         with pytest.raises(RetraceError):
             te.optimisation_profiles(*bad)
@@ -156,7 +156,7 @@ def test_plan_graphs_reads_bundle(tmp_path):
     assert plan["limits"] == LIMITS
     assert set(plan["graphs"]) == {"target", "drafter"}
     d = plan["graphs"]["drafter"]
-    assert d["has_plugin"] and d["profiles"]["decode"]["memory"] == ((1, 16, 24), (2, 16, 24), (4, 16, 24))
+    assert d["has_plugin"] and d["profiles"]["decode"]["memory"] == ((1, 2, 24), (2, 16, 24), (4, 16, 24))
     assert d["profiles"]["prefill"]["ctx_taps"] == ((1, 1, 48), (2, 64, 48), (4, 128, 48))
     # explicit arguments override the manifest; file names are parameters
     (tmp_path / "target" / "model.onnx").rename(tmp_path / "target" / "t.onnx")
@@ -271,7 +271,7 @@ def test_build_sequence_with_recording_tensorrt(tmp_path, monkeypatch):
     assert target_cfg.profiles[2].shapes["input_ids"] == ((1, 1), (2, 1), (4, 1))
     manifest = json.loads(written["manifest"].read_text())
     assert manifest["limits"] == LIMITS and manifest["profiles"] == ["prefill", "verify", "decode"]
-    assert manifest["graphs"]["drafter"]["shapes"]["verify"]["memory"] == [[1, 16, 24], [2, 16, 24], [4, 16, 24]]
+    assert manifest["graphs"]["drafter"]["shapes"]["verify"]["memory"] == [[1, 2, 24], [2, 16, 24], [4, 16, 24]]
     assert manifest["graphs"]["target"]["output_table"]["new_key"] == "new_key_{i}"
     # dtype "auto" builds strongly typed networks without precision flags
     log.clear()

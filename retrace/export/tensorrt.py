@@ -110,7 +110,7 @@ def symbol_ranges(graph: str, profile: str, max_batch: int, max_seq_len: int, bl
         r["K"] = (1, block_size, block_size) if profile == "verify" else (1, 1, 1)
     elif graph == "drafter":
         r["C"] = new
-        r["B"] = (block_size, block_size, block_size)
+        r["B"] = (2, block_size, block_size)  # the adaptive draft width drafts narrower blocks (runtime/draft_width.py)
     else:
         raise ValueError(f"unknown graph {graph!r} (expected one of {GRAPHS})")
     return r
