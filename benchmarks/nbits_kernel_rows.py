@@ -72,6 +72,5 @@ def main() -> None:
                       f"x M=1 {ms / one:.2f}", flush=True)
 
 
-
 if __name__ == "__main__":
     main()

@@ -28,17 +28,6 @@ def _session(model, threads: int):
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
-def _matmul(K: int, N: int, rng):
-    from onnx import TensorProto, helper, numpy_helper
-
-    w = (rng.standard_normal((K, N)) * 0.02).astype(np.float32)
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])],
-                          [numpy_helper.from_array(w, "W")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-
-
 def _widths_that_differ(sess, K: int, rng) -> list[int]:
     x = rng.standard_normal((16, K)).astype(np.float32)
     full = sess.run(None, {"x": x})[0]
@@ -86,11 +75,12 @@ def main() -> None:
     logging.disable(logging.INFO)  # the quantizer's progress lines
     rng = np.random.default_rng(0)
     shapes = ((1024, 6144), (3072, 1024), (1024, 151936))
+    from retrace.runtime.nbits_probe import float_matmul, matmul_nbits, probe_rule
+
     print("widths M (1..15) whose rows differ from the same rows of a 16-row call:")
     for K, N in shapes:
-        print(f"  float MatMul {K}x{N}: {_widths_that_differ(_session(_matmul(K, N, rng), args.threads), K, rng)}")
-    from retrace.runtime.nbits_probe import matmul_nbits, probe_rule
-
+        print(f"  float MatMul {K}x{N}: "
+              f"{_widths_that_differ(_session(float_matmul(K, N, seed=K + N), args.threads), K, rng)}")
     for level, bits in ((0, 4), (4, 4), (4, 8)):
         for block in (16, 32, 64, 128, 256):
             for K, N in shapes[:2]:

@@ -45,7 +45,7 @@ def test_drafter_profiles_for_given_limits():
     # tuned for a block of context, up to max_seq_len: the taps of every round since the last draft call
     assert p["verify"]["ctx_positions"] == ((1, 1), (2, 16), (4, 256))
     assert p["decode"]["ctx_positions"] == ((1, 1), (2, 1), (4, 1))
-    for prof in te.PROFILES:  # the block is always B slots
+    for prof in te.PROFILES:  # the block: 2..B slots (the adaptive draft width), tuned for B
         assert p[prof]["block_ids"] == ((1, 2), (2, 16), (4, 16))  # narrower draft widths: blocks of 2..B
         assert p[prof]["memory"] == ((1, 2, -1), (2, 16, -1), (4, 16, -1))
         assert p[prof]["features"] == ((1, 2, -1), (2, 16, -1), (4, 16, -1))
