@@ -57,6 +57,45 @@ def test_calls_match_the_portable_graph(backends):
         assert torch.allclose(ref.tcache.kv[:, s, :, :n], new.tcache.kv[:, s, :, :n], atol=1e-5)
 
 
+def test_scattered_slots_with_free_gaps_run_over_the_covering_range(one_thread):
+    """Slots [0, 2] once slot 1 is released: the in-place backend runs rows 0..2 (slot 1 a dummy row) instead
+    of gathering the caches, and gives the gather graph's logits, taps and entries; the rows it was asked for
+    come back bit-identical to the same rows of a contiguous call (fp32 rows do not depend on the call's
+    width); while slot 1 is live the call gathers (test above)."""
+    built = pair_and_bundle()
+    ref, new = (OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=3, threads=1, verify=False, kv_mode=m)
+                for m in ("gather", None))
+    V = ref.target_config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    lens = {0: 9, 1: 5, 2: 6}
+    for s, n in lens.items():
+        call_both(ref, new, torch.tensor([s]), torch.randint(0, V, (1, n), generator=g), torch.arange(n)[None],
+                  torch.tensor([[n - 1]]))
+    assert new.cover.plan([0, 2]) is None  # slot 1 holds a live cache
+    for be in (ref, new):
+        be.release(1)
+    spans = []
+    plan = new.cover.plan
+    new.cover.plan = lambda slots: spans.append(r := plan(slots)) or r
+    for T in (1, 3):
+        ids = torch.randint(0, V, (2, T), generator=g)
+        past = torch.tensor([lens[0], lens[2]])
+        call_both(ref, new, torch.tensor([0, 2]), ids, past[:, None] + torch.arange(T), torch.arange(T).expand(2, T))
+        lens[0] += T
+        lens[2] += T
+    assert [r[0].tolist() for r in spans] == [[0, 1, 2]] * 2 and spans[0][1] == [0, 2]
+    for s in (0, 2):
+        assert torch.allclose(ref.tcache.kv[:, s, :, :lens[s]], new.tcache.kv[:, s, :, :lens[s]], atol=1e-5)
+    # the rows asked for equal the same rows computed in a contiguous call (slot 1 live again)
+    ids = torch.randint(0, V, (2, 2), generator=g)
+    pos = torch.tensor([[lens[0]], [lens[2]]]) + torch.arange(2)
+    covered = new.target(torch.tensor([0, 2]), ids, pos, torch.arange(2).expand(2, 2))
+    new.cover.free.clear()
+    for s in (0, 2):  # one-row calls: the same rows, not covered
+        alone = new.target(torch.tensor([s]), ids[s // 2:s // 2 + 1], pos[s // 2:s // 2 + 1], torch.arange(2)[None])
+        assert torch.equal(covered[0][s // 2], alone[0][0]) and torch.equal(covered[1][s // 2], alone[1][0])
+
+
 def test_another_attention_form_is_left_alone_and_explicit_inplace_refuses(backends, monkeypatch):
     from onnx import TensorProto, helper
 

@@ -55,6 +55,7 @@ from retrace.models.drafter import SuffixInputs
 from retrace.runtime import file_pages
 from retrace.runtime.backend import contiguous_range
 from retrace.runtime.bundle_configs import bundle_configs
+from retrace.runtime.device import host_values, index_tensor
 from retrace.runtime.kv_inplace import BIAS, attention_rows, to_inplace_kv, tree_bias
 from retrace.runtime.lm_head_nbits import nbits_rows_model
 from retrace.runtime.lm_head_split import (
@@ -75,6 +76,7 @@ from retrace.runtime.ort_io_binding import (
 from retrace.runtime.ort_spinning import spinning_entries
 from retrace.runtime.row_invariance import SPARE, RowWidths, nbits_rule, pad_tree_mask, stricter
 from retrace.runtime.shared_weights import SharedWeights, map_initializer
+from retrace.runtime.slot_cover import SlotCover
 
 KV_MODES = ("inplace", "gather", "full")
 # inputs a device kernel reads on the host (GroupQueryAttention's total_sequence_length): bound from host memory
@@ -283,6 +285,7 @@ class OnnxRuntimeBackend:
         self.threads = threads
         # measured on the CPU provider only (runtime/row_invariance.py); other providers' kernels: not padded
         cpu = PROVIDER_DEVICE.get(first_provider(self.providers)) == "cpu"
+        self.cover = SlotCover(self.max_batch)
         self.widths = (row_widths(bundle, self.inplace, self.target_config.layers, threads)
                        if row_invariant and cpu else None)
 
@@ -413,10 +416,18 @@ class OnnxRuntimeBackend:
     # -- Backend protocol ------------------------------------------------------------------------------
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         T, K = input_ids.shape[1], logits_index.shape[1]
-        if self.widths is not None:
+        cover = self.cover.plan(host_values(slots)) if self.inplace else None  # scattered: runtime/slot_cover.py
+        if cover is not None:
+            span, rows = cover
+            slots = index_tensor(span.tolist(), self.device)
+            input_ids, positions, logits_index, tree_mask = SlotCover.expand(rows, len(span), input_ids, positions,
+                                                                             logits_index, tree_mask)
+        if self.widths is not None:  # after the cover: the rules depend on the call's rows
             input_ids, positions, logits_index, tree_mask = self.widths.pad(input_ids, positions, logits_index,
                                                                             tree_mask)
         logits, taps = self._target(slots, input_ids, positions, logits_index, tree_mask)
+        if cover is not None:
+            logits, taps = logits[cover[1]], taps[cover[1]]
         return (logits if logits.shape[1] == K else logits[:, :K].contiguous(),
                 taps if taps.shape[1] == T else taps[:, :T].contiguous())
 
@@ -540,7 +551,7 @@ class OnnxRuntimeBackend:
         kv[:, rows, :, dst] = kv[:, rows, :, src]
 
     def release(self, slot: int) -> None:
-        pass  # positions mask stale cache entries; nothing to clear
+        self.cover.release(slot)  # positions mask stale cache entries; nothing to clear
 
 
 def as_presents(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
