@@ -35,19 +35,44 @@ def test_calibration_prior_is_the_identity_and_learns():
     assert float(cal.prob(torch.tensor([0.95]))) < 0.05
 
 
+def test_cost_model_does_not_learn_a_shape_s_first_call():
+    """The first call at a new shape pays one-off costs (memory planning, a compile, a graph capture): it is not
+    learned, the bucket's second call seeds it; `warm=True` (a probe that warmed up) learns at once."""
+    cm = CostModel(rel_slope=0.0, base_s=1.0)
+    cm.observe_verify(4, 2, 100.0)  # a compile
+    assert cm.verify(4, 2) == pytest.approx(1.0)  # still the prior
+    cm.observe_verify(4, 2, 0.2)
+    assert cm.verify(4, 2) == pytest.approx(0.2)
+    cm.observe_draft(4, 50.0, 3)
+    cm.observe_draft(4, 0.1, 3)
+    assert cm.draft(4, 3) == pytest.approx(0.1)
+    cm.observe_verify(4, 3, 0.3, warm=True)
+    assert cm.verify(4, 3) == pytest.approx(0.3)
+
+
+def test_cost_model_draft_prior_scales_with_the_block_width():
+    """Nothing drafted timed yet: `draft_rel` of a one-token verify is the whole block's draft; a narrower
+    block's prior is scaled by (DRAFT_WIDTH_BASE + width) as timed widths are."""
+    from retrace.runtime.cost_model import DRAFT_WIDTH_BASE as W0
+
+    cm = CostModel(base_s=1.0, draft_rel=0.5, block_size=16)
+    assert cm.draft(4, 15) == pytest.approx(0.5) and cm.draft(4) == pytest.approx(0.5)
+    assert cm.draft(4, 3) == pytest.approx(0.5 * (W0 + 4) / (W0 + 16))
+
+
 def test_cost_model_buckets_interpolation_and_prior_slope():
     cm = CostModel(rel_slope=0.1, base_s=2.0)
     assert cm.verify(1, 3) == pytest.approx(2.0 * 1.2)  # nothing measured: the prior
-    cm.observe_verify(2, 1, 1.0)
+    cm.observe_verify(2, 1, 1.0, warm=True)
     assert cm.verify(2, 3) == pytest.approx(1.0 * (1 + 0.2 * 2))  # prior slope scaled to the measurement
     assert cm.verify(4, 1) == pytest.approx(1.0)  # an unmeasured row count borrows the nearest
-    cm.observe_verify(2, 5, 3.0)
+    cm.observe_verify(2, 5, 3.0, warm=True)
     assert cm.verify(2, 3) == pytest.approx(2.0)  # piecewise linear between measured token counts
     assert cm.verify(2, 7) == pytest.approx(4.0)  # past the last: the measured slope
-    cm.observe_verify(2, 5, 4.0)
+    cm.observe_verify(2, 5, 4.0, warm=True)
     assert cm.verify(2, 5) == pytest.approx(3.0 + 0.2 * 1.0)  # EMA
     assert cm.draft(2) == pytest.approx(0.5 * 1.0)  # prior: half a one-token verify
-    cm.observe_draft(2, 0.25)
+    cm.observe_draft(2, 0.25, warm=True)
     assert cm.draft(2) == pytest.approx(0.25)
 
 
@@ -166,8 +191,8 @@ def test_draft_width_is_the_cheapest_rate_and_explores():
 
     cost = CostModel()
     for t in (1, 2, 4, 8, 16):
-        cost.observe_verify(1, t, 1.0 + 0.1 * (t - 1))
-    cost.observe_draft(1, 0.6, 15)  # widths 7 and 3 scaled from it: 0.4 and 0.3
+        cost.observe_verify(1, t, 1.0 + 0.1 * (t - 1), warm=True)
+    cost.observe_draft(1, 0.6, 15, warm=True)  # widths 7 and 3 scaled from it: 0.4 and 0.3
     w = DraftWidth(16)
     assert w.candidates == [15, 7, 3] and w.choose("retrace", 1, cost) == 15  # nothing drafted yet
     counts(w, 15, [1, 0, 0, 2])  # a draft or two at most
@@ -176,9 +201,9 @@ def test_draft_width_is_the_cheapest_rate_and_explores():
     assert w.choose("retrace", 1, cost) != 3
     flat = CostModel()
     for t in (1, 2, 4, 8, 16):
-        flat.observe_verify(1, t, 1.0 + 0.1 * (t - 1))
+        flat.observe_verify(1, t, 1.0 + 0.1 * (t - 1), warm=True)
     for S in (15, 7, 3):
-        flat.observe_draft(1, 0.6, S)
+        flat.observe_draft(1, 0.6, S, warm=True)
     w2 = DraftWidth(16)
     counts(w2, 15, [1, 0, 0, 2])
     assert [w2.choose("retrace", 1, flat) for _ in range(16)] == [15] * 15 + [7]

@@ -27,8 +27,8 @@ def _policy(precision: str, draft_rel: float) -> AdaptivePolicy:
     t1, rel = CURVES[precision]
     cost = CostModel()
     for tokens, r in rel.items():
-        cost.observe_verify(1, tokens, t1 * r)
-    cost.observe_draft(1, draft_rel * t1)
+        cost.observe_verify(1, tokens, t1 * r, warm=True)
+    cost.observe_draft(1, draft_rel * t1, warm=True)
     return AdaptivePolicy(B, cost, learn_cost=False)
 
 

@@ -7,6 +7,11 @@ nearest measured one (a row count's first round uses its neighbour's). The prior
 verify: `rel_slope` extra per added token
 and row (on a 2-core CPU at the Qwen3-0.6B shape a verify of T tokens costs 1 + 0.06 (T - 1) of T = 1; on
 the zoo pair fixed per-call costs dominate and it is ~0). `probe()` measures it on a free slot.
+The first call of each (rows, tokens) verify bucket and (rows, slots) draft bucket is not learned: a backend's
+first call at a new shape pays one-off costs (ONNX Runtime's memory planning, an inductor compile, a CUDA graph
+capture). At the Qwen3-0.6B shape, fp32, batch 4, the first 2-token verify took 278 ms and the later ones 222;
+kept as an EMA's seed it priced that verify 20% high for dozens of rounds, and a bucket priced out is never
+called again to correct it. `observe_*(..., warm=True)`: a call whose shape ran before (`probe` warms up).
 The timings come from the loop's stopwatch (runtime/stopwatch.py): host timers on the CPU, CUDA events on
 CUDA, so the costs stay the device's once the round runs asynchronously.
 """
@@ -27,28 +32,36 @@ DRAFT_WIDTH_BASE = 8
 
 class CostModel:
     def __init__(self, rel_slope: float = 0.06, draft_rel: float = 0.5, alpha: float = 0.2,
-                 base_s: float = 1e-3, min_rel_slope: float = 0.01):
+                 base_s: float = 1e-3, min_rel_slope: float = 0.01, block_size: int = 16):
         self.rel_slope = rel_slope  # prior: extra verify cost per added token and row, relative to T=1
         # floor of a measured slope: timing noise can make a longer verify look free, and then every
         # hopeless draft would be verified "for nothing"
         self.min_rel_slope = min_rel_slope
-        self.draft_rel = draft_rel  # prior: a draft call relative to a one-token verify
+        self.draft_rel = draft_rel  # prior: a whole-block draft call relative to a one-token verify
+        self.block_size = block_size  # the whole block: a narrower one's prior scales by its width
         self.alpha = alpha
         self.base_s = base_s  # prior: seconds of a one-row one-token verify, until one is measured
         self.verify_s: dict[int, dict[int, float]] = {}  # rows -> tokens -> EMA seconds
         self.draft_s: dict[int, dict[int, float]] = {}  # rows -> draft slots S (0: not said) -> EMA seconds
+        self._called: set[tuple[str, int, int]] = set()  # buckets whose first call was seen (and not learned)
 
     # -- measurements ----------------------------------------------------------------------------------
-    def observe_verify(self, rows: int, tokens: int, seconds: float) -> None:
-        table = self.verify_s.setdefault(rows, {})
-        old = table.get(tokens)
-        table[tokens] = seconds if old is None else old + self.alpha * (seconds - old)
+    def observe_verify(self, rows: int, tokens: int, seconds: float, warm: bool = False) -> None:
+        self._learn(self.verify_s, ("verify", rows, tokens), seconds, warm)
 
-    def observe_draft(self, rows: int, seconds: float, slots: int = 0) -> None:
+    def observe_draft(self, rows: int, seconds: float, slots: int = 0, warm: bool = False) -> None:
         """A draft call of `slots` draft slots (the block [anchor, MASK x slots]; 0: a width not said)."""
-        table = self.draft_s.setdefault(rows, {})
-        old = table.get(slots)
-        table[slots] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._learn(self.draft_s, ("draft", rows, slots), seconds, warm)
+
+    def _learn(self, tables: dict[int, dict[int, float]], bucket: tuple[str, int, int], seconds: float,
+               warm: bool) -> None:
+        if not warm and bucket not in self._called:  # a shape's first call: one-off costs
+            self._called.add(bucket)
+            return
+        _, rows, key = bucket
+        table = tables.setdefault(rows, {})
+        old = table.get(key)
+        table[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
     # -- predictions -----------------------------------------------------------------------------------
     def _table(self, rows: int) -> dict[int, float] | None:
@@ -83,19 +96,27 @@ class CostModel:
         """A draft call of `slots` draft slots (0: any width, the widest timed). A width not timed for this
         row count: the nearest timed one's, scaled by (DRAFT_WIDTH_BASE + width) per block width (slots + 1;
         no scaling where either width is not said); a row count not timed: the nearest one's, scaled as its
-        one-token verify."""
+        one-token verify; nothing timed: the prior, `draft_rel` of a one-token verify for the whole block,
+        scaled by width the same way (at fp32, batch 4, the 0.6B shape a 3-slot draft took 0.26 of a decode,
+        the unscaled prior said 0.5; a draft after a pause is not timed, runtime/round_outcome.py, so the
+        prior can be all the policy has for a width)."""
         if rows not in self.draft_s:
             if self.draft_s:
                 near = min(self.draft_s, key=lambda n: (abs(n - rows), n))
                 return self.draft(near, slots) * self.verify(rows, 1) / self.verify(near, 1)
-            return self.draft_rel * self.verify(rows, 1)
+            return self.draft_rel * self.verify(rows, 1) * self._width_scale(slots, self.block_size - 1)
         table = self.draft_s[rows]
         if slots in table:
             return table[slots]
         have = max(table) if not slots else min(table, key=lambda s: (abs(s - slots), -s))
         if not slots or not have:
             return table[have]
-        return table[have] * (DRAFT_WIDTH_BASE + slots + 1) / (DRAFT_WIDTH_BASE + have + 1)
+        return table[have] * self._width_scale(slots, have)
+
+    @staticmethod
+    def _width_scale(slots: int, have: int) -> float:
+        """A draft of `slots` slots against one of `have` (0: not said, no scaling)."""
+        return (DRAFT_WIDTH_BASE + slots + 1) / (DRAFT_WIDTH_BASE + have + 1) if slots and have else 1.0
 
     def to_dict(self) -> dict:
         return {"verify_s": {str(n): {str(t): s for t, s in sorted(tab.items())}
@@ -110,7 +131,7 @@ def probe(backend, block_size: int, repeats: int = 2) -> CostModel:
     and full-block verifies and one draft, each timed `repeats` times after a warm-up; keeps the fastest.
     Optional (make_policy(..., probe=True), benchmarks/verify_policy.py): the rounds' own timings replace
     it within a few rounds, and a wrapped backend (tests' oracle drafters) may not accept such calls."""
-    model = CostModel()
+    model = CostModel(block_size=block_size)
     dev = device_of(backend)
     clock = stopwatch_for(dev)  # CUDA events on CUDA: the device's time, not the launch's
     slot = index_tensor([0], dev)
@@ -131,11 +152,12 @@ def probe(backend, block_size: int, repeats: int = 2) -> CostModel:
     tB = best(lambda: backend.target(slot, ids, pos, torch.arange(block_size, device=dev).unsqueeze(0)))
     model.base_s = t1
     model.rel_slope = max(0.0, (tB - t1) / ((block_size - 1) * t1))
-    model.observe_verify(1, 1, t1)
-    model.observe_verify(1, block_size, tB)
+    model.observe_verify(1, 1, t1, warm=True)
+    model.observe_verify(1, block_size, tB, warm=True)
     dc = backend.drafter_config
     if dc is not None:
         taps = torch.zeros(1, block_size, tc.hidden_size * dc.num_taps, device=dev)
         block = torch.full((1, block_size), dc.mask_token_id, dtype=torch.int64, device=dev)
-        model.observe_draft(1, best(lambda: backend.draft(slot, taps, pos, block, pos, None)), block_size - 1)
+        model.observe_draft(1, best(lambda: backend.draft(slot, taps, pos, block, pos, None)), block_size - 1,
+                            warm=True)
     return model

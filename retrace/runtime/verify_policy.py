@@ -159,7 +159,7 @@ class AdaptivePolicy:
                  min_backoff: int = 8, max_backoff: int = 256, gain_alpha: float = 0.3,
                  learn_cost: bool = True):
         self.block_size = block_size
-        self.cost = cost or CostModel()
+        self.cost = cost or CostModel(block_size=block_size)
         self.ragged = ragged
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.gain_alpha = gain_alpha
@@ -280,5 +280,6 @@ def make_policy(name: str | VerifyPolicy, backend, block_size: int, probe_costs:
     if name == "fixed":
         return FixedPolicy(block_size)
     if name == "adaptive":
-        return AdaptivePolicy(block_size, probe(backend, block_size) if probe_costs else CostModel())
+        cost = probe(backend, block_size) if probe_costs else CostModel(block_size=block_size)
+        return AdaptivePolicy(block_size, cost)
     raise RetraceError(f"unknown verify policy {name!r} (choose from {', '.join(POLICIES)})")
