@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
                   f"{r['rate']:6.1f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python benchmarks/policy_trace.py " + " ".join(argv or []),
+            args = sys.argv[1:] if argv is None else argv
+            json.dump({"command": "python benchmarks/policy_trace.py " + " ".join(args),
                        "ar_tok_s": ar["tokens"] / ar["wall_s"], "tok_s": spec["tokens"] / spec["wall_s"],
                        "same_tokens": spec["outputs"] == ar["outputs"], "groups": rows,
                        "policy": policy.to_dict()}, f, indent=1)
