@@ -71,12 +71,13 @@ def test_scattered_slots_with_free_gaps_run_over_the_covering_range(one_thread):
     for s, n in lens.items():
         call_both(ref, new, torch.tensor([s]), torch.randint(0, V, (1, n), generator=g), torch.arange(n)[None],
                   torch.tensor([[n - 1]]))
-    assert new.cover.plan([0, 2]) is None  # slot 1 holds a live cache
+    assert new.cover.plan([0, 2], 1) is None  # slot 1 holds a live cache
     for be in (ref, new):
         be.release(1)
+    assert new.cover.plan([0, 2], 17) is None  # wider than a verify (a prefill): gathered
     spans = []
     plan = new.cover.plan
-    new.cover.plan = lambda slots: spans.append(r := plan(slots)) or r
+    new.cover.plan = lambda slots, tokens: spans.append(r := plan(slots, tokens)) or r
     for T in (1, 3):
         ids = torch.randint(0, V, (2, T), generator=g)
         past = torch.tensor([lens[0], lens[2]])

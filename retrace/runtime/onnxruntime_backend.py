@@ -416,7 +416,7 @@ class OnnxRuntimeBackend:
     # -- Backend protocol ------------------------------------------------------------------------------
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         T, K = input_ids.shape[1], logits_index.shape[1]
-        cover = self.cover.plan(host_values(slots)) if self.inplace else None  # scattered: runtime/slot_cover.py
+        cover = self.cover.plan(host_values(slots), T) if self.inplace else None  # scattered: slot_cover.py
         if cover is not None:
             span, rows = cover
             slots = index_tensor(span.tolist(), self.device)

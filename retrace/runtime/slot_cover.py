@@ -8,6 +8,9 @@ the Qwen3-0.6B shape, fp32, past 200, 2 threads: slots [0, 1, 3] took 313-461 ms
 for [0, 1, 2] (the gather alone 293 ms for 138 MB of K/V). A dummy row costs what one more row of the
 call's weights pass does (fp32 at batch 3-4: ~5%; int4, compute-bound past two rows: ~0.45 of a decode).
 
+Only calls of at most MAX_TOKENS tokens (decodes, verifies, trees): a prefill's gather copies little (its
+past is short) while a dummy row would compute the whole prompt's width (at that shape ~24 ms per token).
+
 A dummy row: token 0 at positions 0 .. T-1 of its free slot, whose cache holds nothing live (the next request
 admitted there is prefilled from position 0 over it). A slot is free from the start and after `release` until
 a call names it. The rows the caller asked for come back in their order.
@@ -19,6 +22,8 @@ import itertools
 
 import torch
 
+MAX_TOKENS = 16  # the widest verify (a chain's block, a tree's budget); wider calls gather
+
 
 class SlotCover:
     def __init__(self, slots: int):
@@ -27,12 +32,13 @@ class SlotCover:
     def release(self, slot: int) -> None:
         self.free.add(slot)
 
-    def plan(self, slots: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+    def plan(self, slots: list[int], tokens: int) -> tuple[torch.Tensor, list[int]] | None:
         """The covering range's slots and the caller's rows in it (ascending slots whose gaps are all free), else
-        None (already contiguous, unordered, or a gap holds a live cache: the caller gathers)."""
+        None (already contiguous, unordered, wider than MAX_TOKENS, or a gap holds a live cache: the caller
+        gathers)."""
         self.free.difference_update(slots)
         lo, hi = slots[0], slots[-1]
-        if hi - lo + 1 == len(slots) or any(b <= a for a, b in itertools.pairwise(slots)):
+        if tokens > MAX_TOKENS or hi - lo + 1 == len(slots) or any(b <= a for a, b in itertools.pairwise(slots)):
             return None
         gaps = set(range(lo, hi + 1)).difference(slots)
         if not gaps <= self.free:
