@@ -419,7 +419,7 @@ class OnnxRuntimeBackend:
         cover = self.cover.plan(host_values(slots), T) if self.inplace else None  # scattered: slot_cover.py
         if cover is not None:
             span, rows = cover
-            slots = index_tensor(span.tolist(), self.device)
+            slots = index_tensor(span, self.device)
             input_ids, positions, logits_index, tree_mask = SlotCover.expand(rows, len(span), input_ids, positions,
                                                                              logits_index, tree_mask)
         if self.widths is not None:  # after the cover: the rules depend on the call's rows
@@ -427,7 +427,7 @@ class OnnxRuntimeBackend:
                                                                             tree_mask)
         logits, taps = self._target(slots, input_ids, positions, logits_index, tree_mask)
         if cover is not None:
-            logits, taps = logits[cover[1]], taps[cover[1]]
+            logits, taps = logits[rows], taps[rows]
         return (logits if logits.shape[1] == K else logits[:, :K].contiguous(),
                 taps if taps.shape[1] == T else taps[:, :T].contiguous())
 

@@ -4,8 +4,9 @@ caches it needs (and writing the new entries back).
 
 Why: the in-place graph binds a contiguous slot range's caches as views; a scattered set (requests that
 finished in the middle of a batch: [0, 1, 3]) was gathered, the whole past of every row copied per call. At
-the Qwen3-0.6B shape, fp32, past 200, 2 threads: slots [0, 1, 3] took 313-461 ms per call against 154-173 ms
-for [0, 1, 2] (the gather alone 293 ms for 138 MB of K/V). A dummy row costs what one more row of the
+the Qwen3-0.6B shape, fp32, past 200, 2 threads: slots [0, 1, 3] took 280-646 ms per call against 141-149 ms
+for [0, 1, 2] (the gather alone 123-293 ms for 138 MB of K/V; benchmarks/scattered_slots.py,
+docs/onnxruntime-backend.md). A dummy row costs what one more row of the
 call's weights pass does (fp32 at batch 3-4: ~5%; int4, compute-bound past two rows: ~0.45 of a decode).
 
 Only calls of at most MAX_TOKENS tokens (decodes, verifies, trees): a prefill's gather copies little (its
@@ -32,7 +33,7 @@ class SlotCover:
     def release(self, slot: int) -> None:
         self.free.add(slot)
 
-    def plan(self, slots: list[int], tokens: int) -> tuple[torch.Tensor, list[int]] | None:
+    def plan(self, slots: list[int], tokens: int) -> tuple[list[int], list[int]] | None:
         """The covering range's slots and the caller's rows in it (ascending slots whose gaps are all free), else
         None (already contiguous, unordered, wider than MAX_TOKENS, or a gap holds a live cache: the caller
         gathers)."""
@@ -43,21 +44,20 @@ class SlotCover:
         gaps = set(range(lo, hi + 1)).difference(slots)
         if not gaps <= self.free:
             return None
-        return torch.arange(lo, hi + 1), [s - lo for s in slots]
+        return list(range(lo, hi + 1)), [s - lo for s in slots]
 
     @staticmethod
     def expand(rows: list[int], width: int, input_ids: torch.Tensor, positions: torch.Tensor,
                logits_index: torch.Tensor, tree_mask: torch.Tensor | None):
         """The call's inputs [N, ..] placed at `rows` of `width` rows; the others dummy rows."""
-        N, T = input_ids.shape
-        at = torch.tensor(rows, device=input_ids.device)
+        T, dev = input_ids.shape[1], input_ids.device
+        at = torch.tensor(rows, device=dev)
 
         def place(x: torch.Tensor, filler: torch.Tensor) -> torch.Tensor:
             out = filler.expand(width, *x.shape[1:]).clone()
             out[at] = x
             return out
 
-        dev = input_ids.device
         ids = place(input_ids, torch.zeros(1, T, dtype=input_ids.dtype, device=dev))
         pos = place(positions, torch.arange(T, dtype=positions.dtype, device=dev).unsqueeze(0))
         index = place(logits_index, torch.zeros(1, logits_index.shape[1], dtype=logits_index.dtype, device=dev))
