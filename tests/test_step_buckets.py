@@ -72,10 +72,13 @@ def _same(a, b, what):
     return rel
 
 
-def test_padding_never_changes_a_real_rows_outputs_or_cache(world):
-    plain, padded = _pair_of_backends(world)
+@pytest.mark.parametrize("max_batch,slot_ids,placed", [(4, [3, 0, 2], True), (8, [6, 0, 2], False)])
+def test_padding_never_changes_a_real_rows_outputs_or_cache(world, max_batch, slot_ids, placed):
+    """3 rows -> the 4-row bucket, slots not one range: placed at their own slots (every slot < 4) or, with
+    slot 6, gathered (padded rows in the scratch slot)."""
+    plain, padded = _pair_of_backends(world, max_batch)
     g = torch.Generator().manual_seed(0)
-    slots = index_tensor([3, 0, 2], CPU)  # not one range; 3 rows -> the 4-row bucket
+    slots = index_tensor(slot_ids, CPU)
     lens = [9, 5, 12]
     ids = torch.randint(0, VOCAB - 1, (3, 12), generator=g)
     pos = index_tensor([list(range(12))] * 3, CPU)  # prefill (T=12 -> the 16 bucket), ragged lengths via logits
@@ -103,7 +106,7 @@ def test_padding_never_changes_a_real_rows_outputs_or_cache(world):
     _same(a[0], b[0], "tree logits")
     assert torch.equal(a[0].argmax(-1), b[0].argmax(-1))
     for ca, cb in zip(plain.tcache.k + plain.tcache.v, padded.tcache.k + padded.tcache.v, strict=True):
-        assert torch.allclose(ca, cb[:4, :, :SEQ], atol=1e-5)  # real slots and columns: the same K/V
+        assert torch.allclose(ca, cb[:max_batch, :, :SEQ], atol=1e-5)  # real slots and columns: the same K/V
     # the drafter: context C < B padded to B, with and without the conditioner's suffix inputs
     dc = plain.drafter_config
     B, d = dc.block_size, dc.layers.hidden_size
@@ -119,11 +122,41 @@ def test_padding_never_changes_a_real_rows_outputs_or_cache(world):
         _same(a[0], b[0], "draft hidden")
         _same(a[1], b[1], "draft logits")
     for ca, cb in zip(plain.dcache.k + plain.dcache.v, padded.dcache.k + padded.dcache.v, strict=True):
-        assert torch.allclose(ca[:, :, B:], cb[:4, :, B:B + SEQ], atol=1e-5)  # the context (the block: scratch)
+        assert torch.allclose(ca[:, :, B:], cb[:max_batch, :, B:B + SEQ], atol=1e-5)  # context (block: scratch)
     calls = padded.runner.calls
+    assert {b.variant[-1] for b in calls} == {placed}
     assert {(b.step, b.rows, b.width) for b in calls} == {
         ("target", 4, 16), ("target", 4, 1), ("target", 4, 4), ("target", 4, 8), ("drafter", 4, B)}
     assert sum(calls.values()) == 8  # every call above went through a bucket (prefill T=12 too)
+
+
+def test_a_placed_call_computes_the_same_bits_as_a_gathered_one(world):
+    """The same request in slot 0 (a one-row call, placed: attention over a view of the cache's first row) and
+    in slot 3 (gathered into a copy of its window): every logit, tap, drafter output and cache entry is
+    bit-identical, so which path a call takes never changes a token (row invariance relies on it)."""
+    _, padded = _pair_of_backends(world)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB - 1, (1, 30), generator=g)
+    dc = padded.drafter_config
+    B = dc.block_size
+    taps = torch.randn(1, 3, padded.target_config.hidden_size * dc.num_taps, generator=g)
+    block = torch.randint(0, VOCAB - 1, (1, B), generator=g)
+    outs = {}
+    for slot in (0, 3):
+        s = index_tensor([slot], CPU)
+        got = [padded.target(s, ids[:, :12], index_tensor([list(range(12))], CPU), index_tensor([[11]], CPU))]
+        for start, T in ((12, 1), (13, 5), (18, 16)):  # a decode step, verifies (their own buckets)
+            got.append(padded.target(s, ids[:, start:start + T], index_tensor([list(range(start, start + T))], CPU),
+                                     index_tensor([list(range(T))], CPU)))
+        got.append(padded.draft(s, taps, index_tensor([[31, 32, 33]], CPU), block,
+                                index_tensor([list(range(34, 34 + B))], CPU), None))
+        outs[slot] = [t for pair in got for t in pair]
+    for a, b in zip(outs[0], outs[3], strict=True):
+        assert torch.equal(a, b)
+    for cache in (padded.tcache, padded.dcache):
+        for c in cache.k + cache.v:
+            assert torch.equal(c[0, :, :SEQ], c[3, :, :SEQ])
+    assert {b.variant[-1] for b in padded.runner.calls} == {True, False}
 
 
 def _runtime(world, max_batch=8, oracle=True, **opts):
@@ -160,7 +193,7 @@ def test_padded_steps_exact_with_requests_joining_and_leaving_adaptive_and_trees
     rt = _runtime(world, max_batch=4, oracle=False, tree_budget=6, verify_policy="fixed")
     out = rt.generate(prompts[:4], SamplingParams(max_new_tokens=MAX_NEW), "retrace")
     assert [r.token_ids for r in out] == want[:4]
-    assert any(b.variant == (True,) for b in rt.backend.runner.calls)  # tree verifies went through a bucket
+    assert any(b.variant[0] for b in rt.backend.runner.calls)  # tree verifies went through a bucket
 
 
 def test_cuda_graphs_refused_without_cuda(world):

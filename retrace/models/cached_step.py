@@ -84,6 +84,17 @@ class SlotWindows:
                 torch.index_select(self.v[i][:, :, :self.width], 0, self.slots))
 
 
+def slot_windows(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], slots: torch.Tensor | None, rows: int,
+                 width: int, index: torch.Tensor, ctx_index: torch.Tensor | None = None):
+    """The K/V access of a static-shape step: rows `slots` of the whole caches, gathered (`SlotWindows`), or
+    with slots None the caches' first `rows` rows, row r = slot r (`ViewWindows` over views: nothing copied;
+    runtime/step_buckets.py `slot_order` says when a call can be placed so)."""
+    if slots is not None:
+        return SlotWindows(k_cache, v_cache, slots, width, index, ctx_index)
+    return ViewWindows([k.narrow(0, 0, rows) for k in k_cache], [v.narrow(0, 0, rows) for v in v_cache], index,
+                       width, ctx_index)
+
+
 def _layer(layer: DecoderLayer, i: int, x, cos, sin, kv, mask, ctx=None):
     """Decoder layer i over new states x [N, T, d]: `kv` writes their K/V (and ctx = (k, v) of the drafter's
     context) and gives the windows, which the queries attend over under mask [N, 1, T|1, W]."""
@@ -123,12 +134,14 @@ def target_step(target, rope: RopeTable, input_ids: torch.Tensor, positions: tor
 
 
 def slot_target_step(target, rope: RopeTable, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                     slots: torch.Tensor, width: int, input_ids: torch.Tensor, positions: torch.Tensor,
-                     write_cols: torch.Tensor, logits_index: torch.Tensor, tree_mask: torch.Tensor | None = None):
-    """`target_step` over whole caches (`SlotWindows`): the new K/V at columns write_cols [N, T] of rows
-    slots [N], attention over columns [0, width). Same outputs for the real rows and columns."""
+                     width: int, input_ids: torch.Tensor, positions: torch.Tensor, write_cols: torch.Tensor,
+                     logits_index: torch.Tensor, tree_mask: torch.Tensor | None = None,
+                     slots: torch.Tensor | None = None):
+    """`target_step` over whole caches (`slot_windows`): the new K/V at columns write_cols [N, T] of rows
+    slots [N] (None: row r is slot r), attention over columns [0, width). Same outputs for the real rows and
+    columns."""
     mask, _ = target_mask(positions, width, tree_mask)
-    kv = SlotWindows(k_cache, v_cache, slots, width, write_cols)
+    kv = slot_windows(k_cache, v_cache, slots, input_ids.shape[0], width, write_cols)
     return _target_layers(target, rope, input_ids, positions, kv, mask, logits_index)
 
 
@@ -178,14 +191,15 @@ def draft_step(drafter, rope: RopeTable, ctx_taps: torch.Tensor, ctx_positions: 
 
 
 def slot_draft_step(drafter, rope: RopeTable, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                    slots: torch.Tensor, width: int, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor,
-                    ctx_cols: torch.Tensor, block_ids: torch.Tensor, block_positions: torch.Tensor, offset: int,
-                    suffix=None):
-    """`draft_step` over whole caches (`SlotWindows`): the context K/V at columns ctx_cols [N, C] of rows
-    slots [N] (offset + ctx_positions for real entries), attention over columns [0, width)."""
+                    width: int, ctx_taps: torch.Tensor, ctx_positions: torch.Tensor, ctx_cols: torch.Tensor,
+                    block_ids: torch.Tensor, block_positions: torch.Tensor, offset: int, suffix=None,
+                    slots: torch.Tensor | None = None):
+    """`draft_step` over whole caches (`slot_windows`): the context K/V at columns ctx_cols [N, C] of rows
+    slots [N] (None: row r is slot r; offset + ctx_positions for real entries), attention over columns
+    [0, width)."""
     N, B = block_ids.shape
-    kv = SlotWindows(k_cache, v_cache, slots, width, torch.arange(B, device=block_ids.device).expand(N, B),
-                     ctx_cols)
+    kv = slot_windows(k_cache, v_cache, slots, N, width, torch.arange(B, device=block_ids.device).expand(N, B),
+                      ctx_cols)
     return _draft_layers(drafter, rope, ctx_taps, ctx_positions, kv, width, block_ids, block_positions, offset,
                          suffix)
 

@@ -4,15 +4,18 @@ A CUDA graph replays fixed shapes and fixed storage, so a captured step must see
 one per (batch, verify width, past length). Every call of the static-shape path is padded to a bucket
 (docs/static-cache.md, "Captured steps"):
 - rows N: up to the next of 1, 2, 4, then the multiples of 8, and max_batch itself (vLLM's capture sizes);
-  padded rows use a scratch slot, one cache row past the real ones, that no real request owns;
 - the target's verify width T: up to the next of VERIFY_WIDTHS (1: plain decoding, 2-16: a chain of K + 1
   or a tree); wider calls (prefill) run unpadded, eagerly;
 - the drafter's context C: up to the block size B (a round's context is 1 + accepted <= B; more after
   rounds without a draft or at the first call, which run unpadded);
 - the attention window: `window_width`'s power-of-two buckets (the backend's `window_step` None).
 Padded columns write their K/V to scratch columns past max_seq_len (beyond every window, so no real row
-reads them), at positions of their own row (finite values: their outputs are dropped). Pure tensors here;
-runtime/cuda_graphs.py captures one graph per bucket.
+reads them), at positions of their own row (finite values: their outputs are dropped).
+Where every slot of a call is below its row bucket (`slot_order`: slot 0 alone, slots 0..3 of a batch of 4,
+any slots of a full batch), the rows are placed at their own slots (`place`: row r is slot r) and the step
+attends over views of the caches' first rows; otherwise padded rows use a scratch slot, one cache row past the
+real ones, and the step gathers its rows' windows. Pure tensors here; runtime/cuda_graphs.py captures one
+graph per bucket.
 """
 
 from __future__ import annotations
@@ -116,3 +119,24 @@ def pad_draft(slots, ctx_taps, ctx_positions, block_ids, block_positions, suffix
     if suffix is not None:
         out["suffix"] = tuple(_pad(t, rows, None, 0) for t in suffix)
     return out
+
+
+def slot_order(slots: list[int], rows: int) -> list[int] | None:
+    """A call's rows placed at their own slots (row r of the padded call is slot r, for r < rows): for each r,
+    the index of the padded call's row that goes there (the real row of slot r, or one of the padded rows);
+    None when a slot is >= rows (the call gathers its rows' windows instead, padded rows in the scratch slot).
+    A placed call attends over views of the caches' first `rows` rows: no copy of the window per layer."""
+    if max(slots) >= rows:
+        return None
+    where = {s: i for i, s in enumerate(slots)}
+    padding = iter(range(len(slots), rows))
+    return [where[r] if r in where else next(padding) for r in range(rows)]
+
+
+def place(inputs: dict, order: torch.Tensor) -> dict:
+    """Padded step inputs with their rows in `order` (`slot_order` as a device tensor), without "slots": the
+    placed steps take row r as slot r. A padded row lands in a slot outside the call (free, or a request that
+    is not in it): it writes only that slot's scratch columns (the drafter: also the block columns, which every
+    call rewrites before it reads them), so nothing any request reads changes."""
+    return {k: tuple(t[order] for t in v) if isinstance(v, tuple) else v[order]
+            for k, v in inputs.items() if k != "slots"}

@@ -52,6 +52,8 @@ from retrace.runtime.step_buckets import (
     batch_bucket,
     pad_draft,
     pad_target,
+    place,
+    slot_order,
     verify_width,
 )
 
@@ -170,6 +172,7 @@ class TorchBackend:
                                       self.block_scratch * (2 if self.static_shapes else 1) + max_seq_len,
                                       dc.head_dim, drafter.fc.weight.dtype)
         self.slot_target_step = self.slot_draft_step = None
+        self._orders: dict[tuple, torch.Tensor] = {}  # step_buckets.slot_order's orders, on the device
         if self.static_shapes:
             self.slot_target_step = partial(slot_target_step, target, self.target_step.args[1], self.tcache.k,
                                             self.tcache.v)
@@ -267,15 +270,26 @@ class TorchBackend:
         """A target call padded to its bucket, run by the runner (a CUDA graph per bucket on CUDA)."""
         N, K = len(slots), logits_index.shape[1]
         rows = batch_bucket(N, self.max_batch)
+        order = slot_order(host_values(slots), rows)
         slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
                                                                                logits_index, tree_mask)
         inputs = pad_target(slots, input_ids, positions, logits_index, tree_mask, rows, width,
                             scratch_slot=self.max_batch, scratch_col=self.max_seq_len)
-        bucket = Bucket("target", rows, width, window, (tree_mask is not None,))
+        bucket = Bucket("target", rows, width, window, (tree_mask is not None, order is not None))
         with self._autocast():
-            logits, taps = self.runner(bucket, self.slot_target_step, inputs)
+            logits, taps = self.runner(bucket, self.slot_target_step, self._placed(inputs, order))
+        real = slots if order is not None else slice(N)  # a placed call's real rows sit at their slots
         # copies: a CUDA graph's outputs are its own buffers, overwritten by its next replay
-        return logits[:N, :K].to(torch.float32, copy=True), taps[:N, :input_ids.shape[1]].clone()
+        return logits[real, :K].to(torch.float32, copy=True), taps[real, :input_ids.shape[1]].clone()
+
+    def _placed(self, inputs: dict, order: list[int] | None) -> dict:
+        """The padded inputs with each row at its own slot (step_buckets.place), where `order` says so."""
+        if order is None:
+            return inputs
+        key = tuple(order)
+        if key not in self._orders:  # a handful per run ([0], [0, 1, 2, 3], ...): one host-to-device copy each
+            self._orders[key] = index_tensor(order, self.device)
+        return place(inputs, self._orders[key])
 
     @torch.inference_mode()
     def commit_path(self, slots, src_index, dst_pos):
@@ -303,6 +317,7 @@ class TorchBackend:
         """A drafter call with its context padded to the block size and its rows to their bucket."""
         N, B = block_ids.shape
         rows = batch_bucket(N, self.max_batch)
+        order = slot_order(host_values(slots), rows)
         slots, ctx_taps, ctx_positions, block_ids, block_positions = self._on_device(
             slots, ctx_taps, ctx_positions, block_ids, block_positions)
         dt = self.drafter_model.fc.weight.dtype
@@ -311,10 +326,11 @@ class TorchBackend:
         inputs = pad_draft(slots, ctx_taps.to(dt), ctx_positions, block_ids, block_positions, parts, rows, B,
                            scratch_slot=self.max_batch, offset=self.block_scratch,
                            scratch_col=self.block_scratch + self.max_seq_len)
-        bucket = Bucket("drafter", rows, B, window, (suffix is not None,))
+        bucket = Bucket("drafter", rows, B, window, (suffix is not None, order is not None))
         with self._autocast():
-            hidden, logits = self.runner(bucket, self.slot_draft_step, inputs)
-        return hidden[:N].to(torch.float32, copy=True), logits[:N].to(torch.float32, copy=True)
+            hidden, logits = self.runner(bucket, self.slot_draft_step, self._placed(inputs, order))
+        real = slots if order is not None else slice(N)
+        return hidden[real].to(torch.float32, copy=True), logits[real].to(torch.float32, copy=True)
 
     def release(self, slot: int) -> None:
         pass
