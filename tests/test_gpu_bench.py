@@ -41,6 +41,9 @@ def test_gpu_bench_dry_run(tmp_path):
     graphs = r["drafter1"]["graphs"]  # the CPU: no CUDA graphs; the padded steps eagerly, the same tokens
     assert set(graphs) == {"unpadded_eager", "padded_eager", "same_tokens"} and graphs["same_tokens"]
     assert graphs["padded_eager"]["buckets"] >= 3 and graphs["padded_eager"]["captures"] == 0
+    win = r["drafter1"]["windows"]  # batch 8: the placed and the gathered step, each in its own bucket variant
+    assert win["placed_T1_ms"] > 0 and win["gathered_T4_ms"] > 0
+    assert {tuple(b) for b in win["buckets"]} >= {(8, 1, 64, True), (8, 1, 64, False), (8, 4, 64, True)}
     inv = r["drafter1"]["row_invariance"]  # on: every verify row the decode step's bits; lossless both ways here
     assert all(int(w) == n for w, n in inv["on"]["rows_matching_decodes"].items())
     assert all(t["lossless"] for side in ("on", "off") for t in inv[side]["controlled_tau_k15"].values())

@@ -14,6 +14,8 @@ drafter with a ReTrace conditioner; `--dry-run`: the same steps on the CPU at to
   graphs     (the first drafter) the same calls and rounds with the steps captured as CUDA graphs per bucket
              (the backend's default on CUDA), padded but eager, and unpadded (runtime/step_buckets.py,
              runtime/cuda_graphs.py): times, captures, replays, and whether the tokens agree;
+  windows    (the first target) batch 8 after a 2048-token past: the static-shape step placed at its slots
+             against the same step gathered (a copy of every layer's window);
   row_invariance  (the first drafter) every target call at one width (the default on CUDA) against each call
              at its own width: bit-identical verify rows, plain decoding's cost, lossless at controlled tau.
 OUTDIR/gpu_bench.json is rewritten after every section.
@@ -354,6 +356,38 @@ def graphs_section(target, drafter, prompts, new: int, max_len: int, device, rep
     return out
 
 
+def windows_section(target, device, repeats: int, past: int, rows: int = 8) -> dict:
+    """Plain decoding and a 4-token verify at batch `rows` after a `past`-token prefill of every slot: the
+    static-shape step placed at its slots (views of the caches, runtime/step_buckets.py `slot_order`) against
+    the same step gathered (a copy of every layer's window: every call before 2026-12-06), in the backend's
+    default runner (CUDA graphs on CUDA), alternating. docs/static-cache.md worked the copy out at ~60% more
+    K/V traffic per decode at the 8B shape, batch 8, a 2048-column window."""
+    import retrace.runtime.torch_backend as tb
+    from retrace.runtime.device import index_tensor
+
+    be = tb.TorchBackend(target, None, max_batch=rows, max_seq_len=past + 32, device=device, row_invariant=False,
+                         static_shapes=True)
+    for s in range(rows):
+        be.target(index_tensor([s], device), torch.zeros(1, past, dtype=torch.int64, device=device),
+                  index_tensor([list(range(past))], device), index_tensor([[past - 1]], device))
+    slots, placed = index_tensor(list(range(rows)), device), tb.slot_order
+    out = {"rows": rows, "past": past}
+    try:
+        for T in (1, 4):
+            ids = torch.zeros(rows, T, dtype=torch.int64, device=device)
+            pos = index_tensor([list(range(past, past + T))] * rows, device)
+            li = index_tensor([list(range(T))] * rows, device)
+            for name, order in (("placed", placed), ("gathered", lambda *_: None)):
+                tb.slot_order = order
+                out[f"{name}_T{T}_ms"] = round(1e3 * time_call(lambda: be.target(slots, ids, pos, li), device,
+                                                               repeats), 3)
+            out[f"gathered_over_placed_T{T}"] = round(out[f"gathered_T{T}_ms"] / out[f"placed_T{T}_ms"], 3)
+    finally:
+        tb.slot_order = placed
+    out["buckets"] = sorted({(b.rows, b.width, b.window, b.variant[-1]) for b in be.runner.calls})
+    return out
+
+
 def invariance_section(target, drafter, prompts, new: int, max_len: int, device, seq_of, ar_on: dict,
                        taus_on: dict) -> dict:
     """Row invariance on (the backend's default on CUDA) against off (runtime/torch_backend.py): whether a
@@ -423,6 +457,8 @@ def shape_section(result: dict, shape: str, device, dtype, dry: bool, save) -> N
         save()
         if draft_layers == ((1, 2) if dry else (5, 1))[0]:
             part["graphs"] = graphs_section(target, drafter, prompts, new, max_len, device, repeats)
+            save()
+            part["windows"] = windows_section(target, device, repeats, past=48 if dry else 2048)
             save()
             part["row_invariance"] = invariance_section(target, drafter, prompts, new, max_len, device, seq_of,
                                                         ar, part["controlled_tau"])
