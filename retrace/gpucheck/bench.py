@@ -377,10 +377,10 @@ def windows_section(target, device, repeats: int, past: int, rows: int = 8) -> d
             ids = torch.zeros(rows, T, dtype=torch.int64, device=device)
             pos = index_tensor([list(range(past, past + T))] * rows, device)
             li = index_tensor([list(range(T))] * rows, device)
+            call = lambda ids=ids, pos=pos, li=li: be.target(slots, ids, pos, li)  # noqa: E731
             for name, order in (("placed", placed), ("gathered", lambda *_: None)):
                 tb.slot_order = order
-                out[f"{name}_T{T}_ms"] = round(1e3 * time_call(lambda: be.target(slots, ids, pos, li), device,
-                                                               repeats), 3)
+                out[f"{name}_T{T}_ms"] = round(1e3 * time_call(call, device, repeats), 3)
             out[f"gathered_over_placed_T{T}"] = round(out[f"gathered_T{T}_ms"] / out[f"placed_T{T}_ms"], 3)
     finally:
         tb.slot_order = placed
