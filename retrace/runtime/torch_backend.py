@@ -8,8 +8,10 @@ Tensors in and out live on `device` (the models' device); index inputs the loop 
 on the host, never from the device. bfloat16 / float16 / float32 weights: `from_dirs(dtype=...)`.
 
 Static shapes (`static_shapes`, on whenever CUDA graphs are): calls whose verify width and context fit a
-bucket (runtime/step_buckets.py) are padded to it and run the slot-index steps over the whole caches (a
-scratch slot and scratch columns past max_seq_len take the padding), through runtime/cuda_graphs.py: one
+bucket (runtime/step_buckets.py) are padded to it and run the slot-index steps over the whole caches (placed
+at their own slots where every slot is below the row bucket: attention over views of the caches; otherwise
+gathered, padded rows in a scratch slot; padded columns in scratch columns past max_seq_len), through
+runtime/cuda_graphs.py: one
 CUDA graph per bucket on CUDA (`cuda_graphs`, default on there), eagerly elsewhere. Prefill and wider calls
 run the window steps as before.
 
