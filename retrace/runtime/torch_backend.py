@@ -11,9 +11,8 @@ Static shapes (`static_shapes`, on whenever CUDA graphs are): calls whose verify
 bucket (runtime/step_buckets.py) are padded to it and run the slot-index steps over the whole caches (placed
 at their own slots where every slot is below the row bucket: attention over views of the caches; otherwise
 gathered, padded rows in a scratch slot; padded columns in scratch columns past max_seq_len), through
-runtime/cuda_graphs.py: one
-CUDA graph per bucket on CUDA (`cuda_graphs`, default on there), eagerly elsewhere. Prefill and wider calls
-run the window steps as before.
+runtime/cuda_graphs.py: one CUDA graph per bucket on CUDA (`cuda_graphs`, default on there), eagerly elsewhere.
+Prefill and wider calls run the window steps as before.
 
 Row invariance (`row_invariant`, default on CUDA): every target call of up to 16 tokens is padded to the
 widest verify bucket (16 columns; its rows to their batch bucket as always), and a wider call (a prefill)
