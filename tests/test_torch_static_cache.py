@@ -22,7 +22,7 @@ from retrace.models.cached_step import RopeTable
 from retrace.models.drafter import load_pair
 from retrace.models.layers import rope_cos_sin
 from retrace.runtime import Runtime, SamplingParams
-from retrace.runtime.device import host_values, index_tensor
+from retrace.runtime.device import index_tensor
 from retrace.runtime.torch_backend import MIN_WIDTH, TorchBackend, window_width
 from retrace.runtime.torch_concat import ConcatTorchBackend
 
@@ -91,20 +91,11 @@ def test_a_generate_attends_over_a_handful_of_window_widths(pair):
     assert set(seen) <= {64, 128, 192} and len(seen) > 20  # 40+ calls, past lengths 2..170: three shapes
 
 
-@pytest.mark.parametrize("gaps", ["live", "free"])
-def test_same_outputs_as_the_dense_past_path_chains_trees_and_scattered_slots(pair, gaps):
-    """Slots 0 and 3: with slots 1 and 2 holding live caches the target gathers the window and writes it back;
-    with them free (released, or never used) it runs over slots 0..3 with a dummy row in each
-    (runtime/slot_cover.py). The drafter gathers either way."""
+def test_same_outputs_as_the_dense_past_path_chains_trees_and_scattered_slots(pair):
     ref, new = _backends(pair)
-    if gaps == "live":
-        new.cover.free -= {1, 2}
-    seen = []
-    real = new.tcache.window
-    new.tcache.window = lambda slots, width: (seen.append(host_values(slots)), real(slots, width))[1]
     g = torch.Generator().manual_seed(1)
     cpu = torch.device("cpu")
-    # prefill slots 0 and 3 (not one range), then decode and verify on them
+    # prefill slots 0 and 3 (not one range: the gathered window and its write-back)
     slots = index_tensor([0, 3], cpu)
     ids = torch.randint(0, VOCAB, (2, 11), generator=g)
     call_both(ref, new, slots, ids, index_tensor([list(range(11))] * 2, cpu), torch.tensor([[10], [6]]))
@@ -129,8 +120,6 @@ def test_same_outputs_as_the_dense_past_path_chains_trees_and_scattered_slots(pa
         a, b = ref.draft(slots, taps, cpos, block, bpos, None), new.draft(slots, taps, cpos, block, bpos, None)
         assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-4)
         assert torch.equal(a[1].argmax(-1), b[1].argmax(-1))
-    # every target call (up to 16 tokens: the prefill of 11 too) covers 0..3 when the gaps are free
-    assert len(seen) == 4 and all(s == ([0, 1, 2, 3] if gaps == "free" else [0, 3]) for s in seen), seen
 
 
 def test_rope_table_is_the_per_call_rope_bit_for_bit():

@@ -46,7 +46,6 @@ from retrace.runtime.backend import contiguous_range
 from retrace.runtime.compiled_step import CompiledStep, TwoRowDecode
 from retrace.runtime.cuda_graphs import CUDAGraphSteps, steps_runner
 from retrace.runtime.device import host_values, index_tensor, resolve_device, resolve_dtype
-from retrace.runtime.slot_cover import SlotCover
 from retrace.runtime.step_buckets import (
     SCRATCH_COLUMNS,
     VERIFY_WIDTHS,
@@ -175,7 +174,6 @@ class TorchBackend:
                                       dc.head_dim, drafter.fc.weight.dtype)
         self.slot_target_step = self.slot_draft_step = None
         self._orders: dict[tuple, torch.Tensor] = {}  # step_buckets.slot_order's orders, on the device
-        self.cover = SlotCover(max_batch)  # the free slots a scattered call of the window steps may run over
         if self.static_shapes:
             self.slot_target_step = partial(slot_target_step, target, self.target_step.args[1], self.tcache.k,
                                             self.tcache.v)
@@ -234,7 +232,6 @@ class TorchBackend:
     @torch.inference_mode()
     def target(self, slots, input_ids, positions, logits_index, tree_mask=None):
         T = input_ids.shape[1]
-        cover = self.cover.plan(host_values(slots), T)  # every call: it keeps the free slots current
         if self.row_invariant and T > VERIFY_WIDTHS[-1] and tree_mask is None and _ragged(logits_index, T):
             return self._rows_alone(slots, input_ids, positions, logits_index)
         width = window_width(max(row[0] for row in host_values(positions)) + T, self.max_seq_len, self.window_step)
@@ -243,19 +240,12 @@ class TorchBackend:
             padded = VERIFY_WIDTHS[-1]
         if padded is not None:
             return self._padded_target(width, padded, slots, input_ids, positions, logits_index, tree_mask)
-        if cover is not None:  # scattered slots, free gaps: the covering range's views (runtime/slot_cover.py)
-            span, rows = cover
-            slots = index_tensor(span, self.device)
-            input_ids, positions, logits_index, tree_mask = SlotCover.expand(rows, len(span), input_ids, positions,
-                                                                             logits_index, tree_mask)
         kw, vw, is_view = self.tcache.window(slots, width)
         slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
                                                                                logits_index, tree_mask)
         with self._autocast():
             logits, taps = self.target_step(input_ids, positions, kw, vw, logits_index.contiguous(), tree_mask,
                                             width)
-        if cover is not None:
-            logits, taps = logits[rows], taps[rows]
         if not is_view:  # node m of a tree sits at the scratch column positions[:, 0] + m (see commit_path)
             written = positions if tree_mask is None else positions[:, :1] + torch.arange(T, device=self.device)
             self.tcache.write_back(slots, written, kw, vw)
@@ -344,7 +334,7 @@ class TorchBackend:
         return hidden[real].to(torch.float32, copy=True), logits[real].to(torch.float32, copy=True)
 
     def release(self, slot: int) -> None:
-        self.cover.release(slot)  # positions mask a free slot's stale entries; nothing to clear
+        pass
 
 
 def _ragged(logits_index: torch.Tensor, T: int) -> bool:
