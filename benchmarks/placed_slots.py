@@ -6,7 +6,7 @@ same call gathered (a copy of every layer's window), interleaved in one process 
 The backend runs its padded steps eagerly (`static_shapes=True`: what a CUDA graph replays on a GPU; on the
 CPU it is an option, not the default). Every slot is prefilled to the longest past; then each (past, T) call
 over slots 0..batch-1 alternates between the placed step (runtime/step_buckets.py `slot_order`) and the
-gathered one (the order refused, as before the placed steps existed). Prints the median ms per call of each.
+gathered one (`place_rows` off, as before the placed steps existed). Prints the median ms per call of each.
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ def main(argv=None) -> int:
     for s in range(a.batch):  # a prefill wider than every bucket runs the window steps (no order involved)
         be.target(index_tensor([s], be.device), torch.zeros(1, max(pasts), dtype=torch.int64),
                   index_tensor([list(range(max(pasts)))], be.device), index_tensor([[max(pasts) - 1]], be.device))
-    placed = tb.slot_order
-
     def call(past: int, T: int, gathered: bool) -> float:
-        tb.slot_order = (lambda *_: None) if gathered else placed
+        be.place_rows = not gathered
         t0 = time.perf_counter()
         be.target(slots, torch.zeros(a.batch, T, dtype=torch.int64),
                   index_tensor([list(range(past, past + T))] * a.batch, be.device),
@@ -57,7 +55,6 @@ def main(argv=None) -> int:
                     times[gathered].append(call(past, T, gathered))
             p, g = statistics.median(times[False]), statistics.median(times[True])
             print(f"past {past:5d} T={T:2d}: placed {p:8.1f}  gathered {g:8.1f}  gathered/placed {g / p:.2f}")
-    tb.slot_order = placed
     return 0
 
 

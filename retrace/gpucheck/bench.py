@@ -362,28 +362,25 @@ def windows_section(target, device, repeats: int, past: int, rows: int = 8) -> d
     the same step gathered (a copy of every layer's window: every call before 2026-12-06), in the backend's
     default runner (CUDA graphs on CUDA), alternating. docs/static-cache.md worked the copy out at ~60% more
     K/V traffic per decode at the 8B shape, batch 8, a 2048-column window."""
-    import retrace.runtime.torch_backend as tb
     from retrace.runtime.device import index_tensor
+    from retrace.runtime.torch_backend import TorchBackend
 
-    be = tb.TorchBackend(target, None, max_batch=rows, max_seq_len=past + 32, device=device, row_invariant=False,
+    be = TorchBackend(target, None, max_batch=rows, max_seq_len=past + 32, device=device, row_invariant=False,
                          static_shapes=True)
     for s in range(rows):
         be.target(index_tensor([s], device), torch.zeros(1, past, dtype=torch.int64, device=device),
                   index_tensor([list(range(past))], device), index_tensor([[past - 1]], device))
-    slots, placed = index_tensor(list(range(rows)), device), tb.slot_order
+    slots = index_tensor(list(range(rows)), device)
     out = {"rows": rows, "past": past}
-    try:
-        for T in (1, 4):
-            ids = torch.zeros(rows, T, dtype=torch.int64, device=device)
-            pos = index_tensor([list(range(past, past + T))] * rows, device)
-            li = index_tensor([list(range(T))] * rows, device)
-            call = lambda ids=ids, pos=pos, li=li: be.target(slots, ids, pos, li)  # noqa: E731
-            for name, order in (("placed", placed), ("gathered", lambda *_: None)):
-                tb.slot_order = order
-                out[f"{name}_T{T}_ms"] = round(1e3 * time_call(call, device, repeats), 3)
-            out[f"gathered_over_placed_T{T}"] = round(out[f"gathered_T{T}_ms"] / out[f"placed_T{T}_ms"], 3)
-    finally:
-        tb.slot_order = placed
+    for T in (1, 4):
+        ids = torch.zeros(rows, T, dtype=torch.int64, device=device)
+        pos = index_tensor([list(range(past, past + T))] * rows, device)
+        li = index_tensor([list(range(T))] * rows, device)
+        call = lambda ids=ids, pos=pos, li=li: be.target(slots, ids, pos, li)  # noqa: E731
+        for name, place_rows in (("placed", True), ("gathered", False)):
+            be.place_rows = place_rows
+            out[f"{name}_T{T}_ms"] = round(1e3 * time_call(call, device, repeats), 3)
+        out[f"gathered_over_placed_T{T}"] = round(out[f"gathered_T{T}_ms"] / out[f"placed_T{T}_ms"], 3)
     out["buckets"] = sorted({(b.rows, b.width, b.window, b.variant[-1]) for b in be.runner.calls})
     return out
 

@@ -174,6 +174,7 @@ class TorchBackend:
                                       dc.head_dim, drafter.fc.weight.dtype)
         self.slot_target_step = self.slot_draft_step = None
         self._orders: dict[tuple, torch.Tensor] = {}  # step_buckets.slot_order's orders, on the device
+        self.place_rows = True  # place calls at their slots where they fit (False: always gather; benchmarks)
         if self.static_shapes:
             self.slot_target_step = partial(slot_target_step, target, self.target_step.args[1], self.tcache.k,
                                             self.tcache.v)
@@ -271,7 +272,7 @@ class TorchBackend:
         """A target call padded to its bucket, run by the runner (a CUDA graph per bucket on CUDA)."""
         N, K = len(slots), logits_index.shape[1]
         rows = batch_bucket(N, self.max_batch)
-        order = slot_order(host_values(slots), rows)
+        order = self._order(slots, rows)
         slots, input_ids, positions, logits_index, tree_mask = self._on_device(slots, input_ids, positions,
                                                                                logits_index, tree_mask)
         inputs = pad_target(slots, input_ids, positions, logits_index, tree_mask, rows, width,
@@ -280,8 +281,10 @@ class TorchBackend:
         with self._autocast():
             logits, taps = self.runner(bucket, self.slot_target_step, self._placed(inputs, order))
         real = slots if order is not None else slice(N)  # a placed call's real rows sit at their slots
-        # copies: a CUDA graph's outputs are its own buffers, overwritten by its next replay
-        return logits[real, :K].to(torch.float32, copy=True), taps[real, :input_ids.shape[1]].clone()
+        return _own(logits[real, :K], order, torch.float32), _own(taps[real, :input_ids.shape[1]], order)
+
+    def _order(self, slots, rows: int) -> list[int] | None:
+        return slot_order(host_values(slots), rows) if self.place_rows else None
 
     def _placed(self, inputs: dict, order: list[int] | None) -> dict:
         """The padded inputs with each row at its own slot (step_buckets.place), where `order` says so."""
@@ -318,7 +321,7 @@ class TorchBackend:
         """A drafter call with its context padded to the block size and its rows to their bucket."""
         N, B = block_ids.shape
         rows = batch_bucket(N, self.max_batch)
-        order = slot_order(host_values(slots), rows)
+        order = self._order(slots, rows)
         slots, ctx_taps, ctx_positions, block_ids, block_positions = self._on_device(
             slots, ctx_taps, ctx_positions, block_ids, block_positions)
         dt = self.drafter_model.fc.weight.dtype
@@ -331,10 +334,17 @@ class TorchBackend:
         with self._autocast():
             hidden, logits = self.runner(bucket, self.slot_draft_step, self._placed(inputs, order))
         real = slots if order is not None else slice(N)
-        return hidden[real].to(torch.float32, copy=True), logits[real].to(torch.float32, copy=True)
+        return _own(hidden[real], order, torch.float32), _own(logits[real], order, torch.float32)
 
     def release(self, slot: int) -> None:
         pass
+
+
+def _own(rows: torch.Tensor, order: list[int] | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Output rows of a padded step as a tensor of their own (in `dtype`): a CUDA graph's outputs are its
+    buffers, which its next replay overwrites. A placed call's rows were gathered (a copy already); the slice of
+    an unplaced call's rows is copied."""
+    return rows.to(dtype or rows.dtype, copy=order is None)
 
 
 def _ragged(logits_index: torch.Tensor, T: int) -> bool:
