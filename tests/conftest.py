@@ -17,12 +17,16 @@ import run_shared  # noqa: E402
 from helpers import TinyPair, write_drafter, write_target
 from runtime_fixtures import single_thread
 
+from retrace.export import export_cache
+
 
 @pytest.fixture(scope="session", autouse=True)
 def run_shared_root(tmp_path_factory):
     """The directory pytest-xdist's workers share for this run's shared builds (tests/run_shared.py)."""
     base = tmp_path_factory.getbasetemp()
     run_shared.ROOT = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    # one export per distinct model and settings in the whole run (retrace/export/export_cache.py)
+    os.environ.setdefault(export_cache.ENV, str(run_shared.ROOT / "export-cache"))
     yield
     run_shared.ROOT = None
 

@@ -63,3 +63,5 @@ def test_the_bench_builds_a_quantized_bundle_into_its_cache(monkeypatch, tmp_pat
     f, _ = builds.build_ort_bundle(tmp_path / "t", tmp_path / "t", tmp_path / "cache", 4, 512)
     assert q != f
     assert seen[0][-4:] == ["--weights", "int4", "--weight-block-size", "64"] and "--weights" not in seen[1]
+    for cmd in seen:  # every bundle of the pair reuses its one export
+        assert cmd[cmd.index("--export-cache") + 1] == str(tmp_path / "cache" / "exports")

@@ -31,7 +31,7 @@ def built():
 
 
 def _copy_graph(name: str):
-    def fake(model, out_dir: Path, attention: str):
+    def fake(model, out_dir: Path, attention: str, cache_dir=None):
         src = pair_and_bundle().bundle / name
         out_dir.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
@@ -144,7 +144,7 @@ def test_missing_or_mismatched_inputs(built, tmp_path):
 
 # -- atomicity ----------------------------------------------------------------------------------------------
 def _interrupt_in_drafter_export(monkeypatch):
-    def boom(model, out_dir: Path, attention: str):
+    def boom(model, out_dir: Path, attention: str, cache_dir=None):
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "model.onnx.data").write_bytes(b"\0" * 1000)  # a half-written graph
         raise KeyboardInterrupt

@@ -281,7 +281,8 @@ def exporter_available() -> str | None:
 
 def build_ort_bundle(target_dir: str | Path, drafter_dir: str | Path, cache_dir: str | Path, max_batch: int,
                      max_seq_len: int, weights: str = "fp32") -> tuple[Path, dict]:
-    """`retrace-export build --target --drafter --out` into the cache (once per checkpoint content and sizes);
+    """`retrace-export build --target --drafter --out` into the cache (once per checkpoint content and sizes;
+    the pair's ONNX exports once for all of them: cache_dir/exports, retrace/export/export_cache.py);
     weights "int4" / "int8" (or "int4:B": quantization block B): `--weights` (`--weight-block-size B`)."""
     why = exporter_available()
     if why:
@@ -295,7 +296,7 @@ def build_ort_bundle(target_dir: str | Path, drafter_dir: str | Path, cache_dir:
         root.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "retrace.export.cli", "build", "--target", str(target_dir), "--drafter",
                str(drafter_dir), "--out", str(out), "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len),
-               "--force", "--quiet"]
+               "--force", "--quiet", "--export-cache", str(Path(cache_dir) / "exports")]  # one export per pair
         if weights != "fp32":
             w, _, block = weights.partition(":")
             cmd += ["--weights", w, *(["--weight-block-size", block] if block else [])]

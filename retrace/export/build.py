@@ -76,6 +76,7 @@ class BuildOptions:
     weight_block_size: int | None = None
     accuracy_level: int | None = None
     head_block_size: int | None = None
+    export_cache: Path | None = None  # retrace/export/export_cache.py (None: $RETRACE_EXPORT_CACHE, if set)
 
     def __post_init__(self):
         if self.tree_mask and self.backend != "onnxruntime":
@@ -270,12 +271,14 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
 
     with reporter.stage(f"export target graph ({tcfg.num_hidden_layers} layers, {opts.attention} attention)"):
         tree = {"tree_mask": True} if opts.tree_mask else {}
-        ctx.graphs["target"] = export_target_graph(target, staging / "target", opts.attention, **tree)
+        ctx.graphs["target"] = export_target_graph(target, staging / "target", opts.attention, **tree,
+                                                   cache_dir=opts.export_cache)
         reporter.note(f"{ctx.graphs['target'].node_count} nodes")
     if drafter is not None:
         what = "ReTrace" if drafter.conditioner is not None else "DFlash"
         with reporter.stage(f"export drafter graph ({what}, {dcfg.layers.num_hidden_layers} layers)"):
-            ctx.graphs["drafter"] = export_drafter_graph(drafter, staging / "drafter", opts.attention)
+            ctx.graphs["drafter"] = export_drafter_graph(drafter, staging / "drafter", opts.attention,
+                                                         cache_dir=opts.export_cache)
             reporter.note(f"{ctx.graphs['drafter'].node_count} nodes, "
                           f"{ctx.graphs['drafter'].custom_nodes} retrace::GatedSuffixFusion")
 
@@ -341,16 +344,16 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
 
 
 # Indirections the tests monkeypatch (to interrupt a build mid-way without paying for a real export).
-def export_target_graph(target, out_dir: Path, attention: str, tree_mask: bool = False):
+def export_target_graph(target, out_dir: Path, attention: str, tree_mask: bool = False, cache_dir=None):
     from retrace.export.onnx_export import export_target
 
-    return export_target(target, out_dir, attention, tree_mask)
+    return export_target(target, out_dir, attention, tree_mask, cache_dir)
 
 
-def export_drafter_graph(drafter, out_dir: Path, attention: str):
+def export_drafter_graph(drafter, out_dir: Path, attention: str, cache_dir=None):
     from retrace.export.onnx_export import export_drafter
 
-    return export_drafter(drafter, out_dir, attention)
+    return export_drafter(drafter, out_dir, attention, cache_dir)
 
 
 def run_parity(name: str, model, path: Path, block: int, tolerance: float) -> dict:

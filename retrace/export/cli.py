@@ -70,9 +70,13 @@ def _backends() -> list[str]:
               help="also write a Triton Inference Server model repository for the bundle here")
 @click.option("--tree-mask", is_flag=True,
               help="give the target graph the optional tree_mask input (tree verification: --tree-budget)")
+@click.option("--export-cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="reuse ONNX exports of the same models and settings from this directory, and keep new ones "
+              "there (default: $RETRACE_EXPORT_CACHE, or none)")
 @cli_errors
 def build(target, drafter, out, backend, dtype, weights, weight_block_size, head_block_size, accuracy_level, max_batch,
-          max_seq_len, block_size, attention, tolerance, conditioner, force, quiet, triton_repo, tree_mask) -> None:
+          max_seq_len, block_size, attention, tolerance, conditioner, force, quiet, triton_repo, tree_mask,
+          export_cache) -> None:
     """Export, check and package a target (+ drafter) as an engine bundle.
 
     The bundle is built in a temp directory beside --out and renamed into place only when every check
@@ -91,7 +95,7 @@ def build(target, drafter, out, backend, dtype, weights, weight_block_size, head
                         max_seq_len=max_seq_len, block_size=block_size, force=force, attention=attention,
                         tolerance=tolerance, conditioner=conditioner, tree_mask=tree_mask, weights=weights,
                         weight_block_size=weight_block_size, accuracy_level=accuracy_level,
-                        head_block_size=head_block_size)
+                        head_block_size=head_block_size, export_cache=export_cache)
     if not quiet:
         console.print(f"[bold]retrace-export build[/bold] {target} + {drafter or '(no drafter)'} -> {out} "
                       f"[dim]({backend}, {dtype}{'' if weights == 'fp32' else ', ' + weights + ' weights'})[/dim]")

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from retrace.errors import RetraceError
+from retrace.export import export_cache
 from retrace.models import layers
 from retrace.models.drafter import DFlashDrafter, SuffixInputs
 from retrace.models.target import Qwen3Target
@@ -235,16 +236,39 @@ class _Sink:
 
 
 def _export(module: nn.Module, args: tuple, names_in: list[str], names_out: list[str], dynamic: dict,
-            out_dir: Path, attention: str, name: str, with_function: bool) -> ExportedGraph:
+            out_dir: Path, attention: str, name: str, with_function: bool,
+            cache_dir: str | Path | None = None) -> ExportedGraph:
+    """cache_dir: an export cache (retrace/export/export_cache.py; None: $RETRACE_EXPORT_CACHE, if set)."""
+    import onnx
+
+    t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path, data = out_dir / GRAPH_FILE, out_dir / DATA_FILE
+    cache = export_cache.cache_dir(cache_dir)
+    key = None
+    if cache is not None:
+        settings = {"names_in": names_in, "names_out": names_out, "dynamic": repr(dynamic), "attention": attention,
+                    "name": name, "with_function": with_function, "opset": OPSET}
+        key = export_cache.graph_key(module, args, settings)
+    if key is None or not export_cache.restore(cache, key, out_dir):
+        _trace(module, args, names_in, names_out, dynamic, path, attention, name, with_function)
+        if key is not None:
+            export_cache.store(cache, key, out_dir, [f for f in (path, data) if f.exists()])
+    proto = onnx.load(str(path), load_external_data=False)
+    graph = census(proto, name, path, data if data.exists() else None, names_in, names_out, attention)
+    graph.seconds = time.perf_counter() - t0
+    return graph
+
+
+def _trace(module: nn.Module, args: tuple, names_in: list[str], names_out: list[str], dynamic: dict, path: Path,
+           attention: str, name: str, with_function: bool) -> None:
+    """The export proper: trace, optimize, write path (+ its external data), attach the plugin's function."""
     import onnx
     import onnx_ir as ir
     import onnx_ir.passes.common as common_passes
     import onnxscript.optimizer
     import onnxscript.rewriter.onnx_fusions
 
-    t0 = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path, data = out_dir / GRAPH_FILE, out_dir / DATA_FILE
     try:
         with _attention_form(attention), _quiet_exporter(), torch.no_grad():
             prog = torch.onnx.export(module, args, dynamic_shapes=dynamic, input_names=names_in,
@@ -274,9 +298,6 @@ def _export(module: nn.Module, args: tuple, names_in: list[str], names_out: list
     proto.producer_name = "retrace-export"
     _strip_metadata(proto)
     onnx.save(proto, str(path))
-    graph = census(proto, name, path, data if data.exists() else None, names_in, names_out, attention)
-    graph.seconds = time.perf_counter() - t0
-    return graph
 
 
 def _name_transposed_weights(model) -> None:
@@ -314,9 +335,9 @@ def census(proto, name: str, path: Path, data: Path | None, names_in, names_out,
 
 
 def export_target(target: Qwen3Target, out_dir: str | Path, attention: str = "native",
-                  tree_mask: bool = False) -> ExportedGraph:
+                  tree_mask: bool = False, cache_dir: str | Path | None = None) -> ExportedGraph:
     """Write `out_dir/model.onnx` (+ `model.onnx.data`) for the target with its tap layers (tree_mask: with
-    the optional tree_mask input of tree verification)."""
+    the optional tree_mask input of tree verification; cache_dir: the export cache, `_export`)."""
     if not target.tap_layers:
         raise ExportError("the target has no tap layers: load it with the drafter's target_layer_ids "
                           "(retrace.models.drafter.load_pair)")
@@ -333,7 +354,7 @@ def export_target(target: Qwen3Target, out_dir: str | Path, attention: str = "na
                "logits_index": {0: N, 1: K}, "past": tuple(past)}
     names_in, names_out = target_io(L, tree_mask)
     return _export(TargetGraph(target, tree_mask), args, names_in, names_out, dynamic, Path(out_dir), attention,
-                   "target", with_function=False)
+                   "target", with_function=False, cache_dir=cache_dir)
 
 
 def causal_mask(n: int, t: int) -> torch.Tensor:
@@ -341,9 +362,10 @@ def causal_mask(n: int, t: int) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool).tril().expand(n, t, t).contiguous()
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, attention: str = "native") -> ExportedGraph:
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, attention: str = "native",
+                   cache_dir: str | Path | None = None) -> ExportedGraph:
     """Write `out_dir/model.onnx` (+ data) for the drafter (with the target's embedding and LM head, and
-    the GatedSuffixFusion node when it has a conditioner)."""
+    the GatedSuffixFusion node when it has a conditioner; cache_dir: the export cache, `_export`)."""
     L = drafter.config.layers.num_hidden_layers
     suffix = drafter.conditioner is not None
     e = EXAMPLE
@@ -358,7 +380,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, attention: str =
     dynamic["rest"] = tuple(rest)
     names_in, names_out = drafter_io(L, suffix)
     return _export(DrafterGraph(drafter, L, suffix), args, names_in, names_out, dynamic, Path(out_dir), attention,
-                   "drafter", with_function=suffix)
+                   "drafter", with_function=suffix, cache_dir=cache_dir)
 
 
 def check_graph(path: str | Path, name: str, expect_fusion_nodes: int | None = None) -> None:
