@@ -7,9 +7,12 @@ of one HF forward. Tolerance: max abs diff <= 1e-5 on logits and on the tap hidd
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from helpers import load_hf_target, max_diff, write_target
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from retrace.models.target import Qwen3Target
 
@@ -158,3 +161,38 @@ def test_embed_and_lm_head_are_hf_pieces(models):
         torch.testing.assert_close(ours.embed(ids), hf.model.embed_tokens(ids), rtol=0, atol=0)
         h = torch.randn(1, 3, 64)
         torch.testing.assert_close(ours.lm_head(h), hf.lm_head(h), rtol=0, atol=0)
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the new tensors each allocating op makes (uninitialised and converted copies), by dtype."""
+
+    MAKES = ("aten.empty_like.default", "aten.empty.memory_format", "aten.empty_strided.default",
+             "aten._to_copy.default", "aten.clone.default")
+
+    def __init__(self):
+        super().__init__()
+        self.made: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func) in self.MAKES and isinstance(out, torch.Tensor) and out.device.type != "meta":
+            self.made[out.dtype] += out.numel() * out.element_size()
+        return out
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_a_bf16_load_makes_bf16_parameters_only(tmp_path, tie):
+    """An fp32 checkpoint loaded as bf16 goes straight into bf16 parameters, one tensor at a time: no fp32
+    model is made first (a bf16 Qwen3-8B would need a 33 GB fp32 copy in host memory), with the same bits as
+    converting the fp32 model."""
+    d = write_target(tmp_path, tie=tie)
+    with _Allocations() as allocations:
+        ours = Qwen3Target.from_pretrained(d, tap_layers=TAPS, dtype=torch.bfloat16)
+    params = sum(p.numel() * p.element_size() for p in ours.parameters())
+    assert allocations.made[torch.float32] == 0
+    assert allocations.made[torch.bfloat16] <= 1.1 * params  # the tied head's placeholder, then the shared one
+    wide = Qwen3Target.from_pretrained(d, tap_layers=TAPS).to(torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie
+    for (name, p), q in zip(ours.state_dict().items(), wide.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name

@@ -22,8 +22,8 @@ def held_out_prompts(zoo: Path, n: int) -> list[list[int]]:
 
 
 def load(zoo: Path, dtype: torch.dtype, device: torch.device):
-    target, drafter = load_pair(zoo / "target", zoo / "drafter", dtype=dtype)
-    return target.to(device).eval(), drafter.to(device).eval()
+    target, drafter = load_pair(zoo / "target", zoo / "drafter", dtype=dtype, device=device)
+    return target, drafter
 
 
 def sync(device: torch.device) -> None:

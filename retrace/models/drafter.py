@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from retrace.models.checkpoint import (
+    CheckpointTensors,
     atomic_save_tensors,
     atomic_write_text,
     load_into,
-    read_dir_tensors,
     weight_files,
     weights_location,
 )
@@ -78,15 +78,18 @@ class DFlashDrafter(nn.Module):
         d = Path(directory)
         config = DrafterConfig.from_dir(d)
         config.check_fits(target.config, d / "config.json")
-        model = cls(config, target)
+        dtype, device = dtype or target.lm_head.weight.dtype, target.lm_head.weight.device
+        with torch.device("meta"):  # made in dtype on the target's device, filled one tensor at a time
+            model = cls(config, target)
+        model = model.to(dtype).to_empty(device=device)
         if draft_vocab:
             model.draft_vocab = DraftVocab.load(d, target.config.vocab_size)
         files = _drafter_files(d)
-        load_into(model, read_dir_tensors(d, files), weights_location(d, files), config_path=d / "config.json")
+        load_into(model, CheckpointTensors(files), weights_location(d, files), config_path=d / "config.json")
         if load_conditioner and ReTraceConditioner.exists(d):
             model.conditioner = ReTraceConditioner.from_dir(d, config.hidden_size)
         model.directory = d
-        return model.to(dtype or target.lm_head.weight.dtype).eval().requires_grad_(False)
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
     def save_pretrained(self, directory: str | Path, save_conditioner: bool = True,
                         tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -207,16 +210,18 @@ def new_drafter_config(target: Qwen3Target, num_layers: int = 1, block_size: int
 
 
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype = torch.float32,
-              load_conditioner: bool = True, draft_vocab: bool = True) -> tuple[Qwen3Target, DFlashDrafter | None]:
+              load_conditioner: bool = True, draft_vocab: bool = True,
+              device: torch.device | str = "cpu") -> tuple[Qwen3Target, DFlashDrafter | None]:
     """Load a target with the taps its drafter needs, and the drafter (with its conditioner and draft
-    vocabulary if present; draft_vocab=False: the full head)."""
+    vocabulary if present; draft_vocab=False: the full head), both in `dtype` on `device`, read straight
+    into their parameters."""
     taps: tuple[int, ...] = ()
     if drafter_dir is not None:
         dcfg = DrafterConfig.from_dir(drafter_dir)
         # Check the pair before reading any weights: the message then names the drafter's config.
         dcfg.check_fits(Qwen3Config.from_dir(target_dir), Path(drafter_dir) / "config.json")
         taps = dcfg.target_layer_ids
-    target = Qwen3Target.from_pretrained(target_dir, tap_layers=taps, dtype=dtype)
+    target = Qwen3Target.from_pretrained(target_dir, tap_layers=taps, dtype=dtype, device=device)
     drafter = None
     if drafter_dir is not None:
         drafter = DFlashDrafter.from_pretrained(drafter_dir, target, load_conditioner=load_conditioner, dtype=dtype,

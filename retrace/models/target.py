@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from retrace.errors import CheckpointError
-from retrace.models.checkpoint import load_into, read_dir_tensors, weight_files, weights_location
+from retrace.models.checkpoint import CheckpointTensors, load_into, weight_files, weights_location
 from retrace.models.config import Qwen3Config
 from retrace.models.layers import DecoderLayer, RMSNorm, lm_head, past_mask, rope_cos_sin
 
@@ -51,31 +51,32 @@ class Qwen3Target(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, tap_layers: tuple[int, ...] = (),
-                        dtype: torch.dtype = torch.float32) -> Qwen3Target:
+                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Qwen3Target:
+        """The parameters are made in `dtype` on `device` and filled from the checkpoint one tensor at a time
+        (models/checkpoint.py `CheckpointTensors`): no other copy of the weights is ever in memory."""
         d = Path(directory)
         config = Qwen3Config.from_dir(d)
         bad = [i for i in tap_layers if not 0 <= int(i) < config.num_hidden_layers]
         if bad:
             raise CheckpointError(f"{d}: tap layers {bad} do not exist in a {config.num_hidden_layers}-layer target")
         files = weight_files(d)
-        tensors = read_dir_tensors(d, files)
+        tensors = CheckpointTensors(files)
         config = _tie_as_transformers(config, tensors)
         with torch.device("meta"):
             model = cls(config, tap_layers)
-        model = model.to_empty(device="cpu")
+        model = model.to(dtype).to_empty(device=device)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         # Tied checkpoints may or may not carry lm_head.weight (a copy of the embedding); an untied one must.
-        optional = ("lm_head.weight",) if config.tie_word_embeddings else ()
-        if config.tie_word_embeddings:
-            tensors.pop("lm_head.weight", None)
-        if config.tie_word_embeddings is False and "lm_head.weight" not in tensors:
+        tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+        if not tied and "lm_head.weight" not in tensors:
             raise CheckpointError(
                 f"{weights_location(d, files)}: tie_word_embeddings is false in {d / 'config.json'} "
                 "but lm_head.weight is missing")
-        load_into(model, tensors, weights_location(d, files), optional=optional, config_path=d / "config.json")
+        load_into(model, tensors, weights_location(d, files), optional=tied, ignore_prefixes=tied,
+                  config_path=d / "config.json")
         model.directory = d
-        return model.to(dtype).eval().requires_grad_(False)
+        return model.eval().requires_grad_(False)
 
     # Pieces the drafter shares.
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -206,10 +206,7 @@ class TorchBackend:
                   dtype: torch.dtype | str | None = torch.float32, device: torch.device | str | None = None,
                   **kwargs) -> TorchBackend:
         dev = resolve_device(device)  # before reading any weights: an absent CUDA fails fast
-        target, drafter = load_pair(target_dir, drafter_dir, dtype=resolve_dtype(dtype))
-        target.to(dev)
-        if drafter is not None:
-            drafter.to(dev)
+        target, drafter = load_pair(target_dir, drafter_dir, dtype=resolve_dtype(dtype), device=dev)
         return cls(target, drafter, device=dev, **kwargs)
 
     def _autocast(self):

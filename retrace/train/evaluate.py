@@ -117,9 +117,7 @@ def evaluate(target_dir: str | Path, drafter_dir: str | Path, prompts_files: lis
     """Load the pair, read prompts (JSONL: 'prompt' text or 'prompt_ids'), report tau (see tau_by_mode)."""
     dev = cm.resolve_device(device)
     with cm.torch_threads(threads):
-        target, drafter = load_pair(target_dir, drafter_dir, dtype=resolve_dtype(dtype))
-        target.to(dev)
-        drafter.to(dev)
+        target, drafter = load_pair(target_dir, drafter_dir, dtype=resolve_dtype(dtype), device=dev)
         codec = TextCodec.find(target_dir)
         rows = []
         for f in prompts_files:
