@@ -12,7 +12,7 @@ from retrace.models.target import Qwen3Target
 
 def load_target(target_dir: str | Path, tap_layers, device: torch.device, bf16: bool) -> Qwen3Target:
     dtype = torch.bfloat16 if (bf16 and device.type == "cuda") else torch.float32
-    return Qwen3Target.from_pretrained(target_dir, tap_layers=tuple(tap_layers), dtype=dtype).to(device)
+    return Qwen3Target.from_pretrained(target_dir, tap_layers=tuple(tap_layers), dtype=dtype, device=device)
 
 
 @torch.no_grad()
