@@ -366,7 +366,7 @@ def windows_section(target, device, repeats: int, past: int, rows: int = 8) -> d
     from retrace.runtime.torch_backend import TorchBackend
 
     be = TorchBackend(target, None, max_batch=rows, max_seq_len=past + 32, device=device, row_invariant=False,
-                         static_shapes=True)
+                      static_shapes=True)
     for s in range(rows):
         be.target(index_tensor([s], device), torch.zeros(1, past, dtype=torch.int64, device=device),
                   index_tensor([list(range(past))], device), index_tensor([[past - 1]], device))

@@ -22,8 +22,7 @@ def held_out_prompts(zoo: Path, n: int) -> list[list[int]]:
 
 
 def load(zoo: Path, dtype: torch.dtype, device: torch.device):
-    target, drafter = load_pair(zoo / "target", zoo / "drafter", dtype=dtype, device=device)
-    return target, drafter
+    return load_pair(zoo / "target", zoo / "drafter", dtype=dtype, device=device)
 
 
 def sync(device: torch.device) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from retrace.errors import CheckpointError
 
@@ -33,17 +33,11 @@ def weights_location(directory: Path, files: list[Path]) -> Path:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read safetensors file ({e}); is it truncated or corrupt?") from None
+    return dict(CheckpointTensors([path]))
 
 
 def read_dir_tensors(directory: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in files if files is not None else weight_files(directory):
-        out.update(read_tensors(f))
-    return out
+    return dict(CheckpointTensors(files if files is not None else weight_files(directory)))
 
 
 # safetensors' dtype names (a file header's "dtype")

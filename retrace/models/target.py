@@ -9,6 +9,7 @@ No transformers cache object is involved, so it exports to ONNX as is.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -20,13 +21,15 @@ from retrace.models.config import Qwen3Config
 from retrace.models.layers import DecoderLayer, RMSNorm, lm_head, past_mask, rope_cos_sin
 
 
-def _tie_as_transformers(config: Qwen3Config, tensors: dict[str, torch.Tensor]) -> Qwen3Config:
+def _tie_as_transformers(config: Qwen3Config, tensors: Mapping[str, torch.Tensor]) -> Qwen3Config:
     """transformers' rule: `tie_word_embeddings: true` ties the LM head to the embedding unless the checkpoint
     carries an lm_head.weight that differs from it; then that lm_head is used (untied), as here."""
-    head, emb = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-    if config.tie_word_embeddings and head is not None and emb is not None and not torch.equal(head, emb):
-        return dataclasses.replace(config, tie_word_embeddings=False)
-    return config
+    head, emb = "lm_head.weight", "model.embed_tokens.weight"
+    if not (config.tie_word_embeddings and head in tensors and emb in tensors):
+        return config  # nothing to compare: the two tables are read only when they are compared
+    if torch.equal(tensors[head], tensors[emb]):
+        return config
+    return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 class Qwen3Model(nn.Module):
