@@ -230,6 +230,7 @@ def test_bad_quantization_options_are_refused(tmp_path):
     cases = [(["--weights", "int4", "--weight-block-size", "24"], "power of two"),
              (["--weights", "int4", "--head-block-size", "8"], "--head-block-size must be a power of two"),
              (["--weight-block-size", "32"], "need --weights int4 or int8"),
+             (["--weights", "w8a8", "--accuracy-level", "4"], "not w8a8"),
              (["--weights", "int8", "--dtype", "float16"], "--dtype float32")]
     for extra, msg in cases:
         res = CliRunner().invoke(main, ["build", "--target", str(tmp_path), "--out", str(tmp_path / "b"), *extra])
@@ -266,6 +267,47 @@ def test_int8_graphs_of_the_session_bundle_decode_like_their_own_ar(tmp_path):
     for mode, head in (("dflash", None), ("retrace", None), ("retrace", True), ("ar", True)):
         rt = Runtime.from_bundle(bundle, threads=1, lm_head_session=head)
         assert [r.token_ids for r in rt.generate(prompts, params, mode)] == want, (mode, head)
+
+
+def test_w8a8_graphs_are_row_invariant_and_decode_like_their_own_ar(tmp_path):
+    """retrace.export.w8a8 on a copy of the session's fp32 bundle: the target's linear layers and LM head as
+    integer matmuls (the drafter keeps its float head), no padding rule (the integer sums are exact in any
+    row count: every verify row equals its decode step bit for bit) and every mode gives the w8a8 target's
+    own greedy tokens, at batch 1 and 3."""
+    from export_fixtures import copy_bundle
+
+    from retrace.engines.bundle import write_manifest
+    from retrace.export.quantize import WeightQuant, quantize_graph
+    from retrace.runtime.shared_weights import shared_pairs
+
+    bundle = copy_bundle(tmp_path / "w8a8")
+    m = json.loads((bundle / "manifest.json").read_text())
+    q = WeightQuant("w8a8")
+    rec = {name: quantize_graph(bundle / name / "model.onnx", q, lm_head=name == "target")
+           for name in ("target", "drafter")}
+    assert rec["target"]["lm_head"].endswith("lm_head.weight.T") and rec["drafter"]["lm_head"] is None
+    for name in ("target", "drafter"):
+        proto = onnx.load(str(bundle / name / "model.onnx"), load_external_data=False)
+        inits = {i.name for i in proto.graph.initializer}
+        assert sorted(n.name for n in proto.graph.node if n.op_type == "MatMulInteger") == rec[name]["nodes"]
+        assert not [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    m["weights"], m["quantization"] = "w8a8", q.manifest()
+    # this pair's head is untied: the target's float head is gone, the drafter's own copy stays unshared
+    m["graphs"]["drafter"]["shared_initializers"] = shared_pairs(bundle / "target" / "model.onnx",
+                                                                 bundle / "drafter" / "model.onnx")
+    m.pop("files")
+    write_manifest(bundle, m)
+    be = OnnxRuntimeBackend.from_bundle(bundle, threads=1)
+    assert be.widths == RowWidths(tokens="any", rows="any")
+    got = rows_matching_decodes(be)
+    assert got == {w: w for w in got}, got
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (6, 2, 11)]
+    params = SamplingParams(max_new_tokens=24)
+    want = [r.token_ids for r in Runtime.from_bundle(bundle, threads=1).generate(prompts, params, "ar")]
+    for mode, batch in itertools.product(("dflash", "retrace"), (1, 3)):
+        rt = Runtime.from_bundle(bundle, threads=1)
+        assert [r.token_ids for r in rt.generate(prompts[:batch], params, mode)] == want[:batch], (mode, batch)
 
 
 def test_row_rules_are_probed_on_this_cpu(monkeypatch):

@@ -88,7 +88,7 @@ class BuildOptions:
 
         self.quant = WeightQuant(self.weights, self.weight_block_size, self.accuracy_level, self.head_block_size)
         if self.quant.quantized and (self.backend != "onnxruntime" or self.dtype != "float32"):
-            raise RetraceError(f"--weights {self.weights} builds ONNX Runtime MatMulNBits graphs from float32 weights: "
+            raise RetraceError(f"--weights {self.weights} builds ONNX Runtime quantized graphs from float32 weights: "
                                "use it with --backend onnxruntime --dtype float32")
 
 
@@ -300,7 +300,8 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
     quantization = None
     if opts.quant.quantized:  # after the fp32 parity check: the quantized graphs are the deployed target
         q = opts.quant
-        with reporter.stage(f"quantize weights ({q.weights}, block {q.block}, LM head block {q.head_block}, "
+        with reporter.stage(f"quantize weights ({q.weights}, per-row int8 activations)" if q.row_scaled else
+                            f"quantize weights ({q.weights}, block {q.block}, LM head block {q.head_block}, "
                             f"accuracy level {q.level})"):
             from retrace.export.quantize import quantize_bundle
 

@@ -42,10 +42,11 @@ def _backends() -> list[str]:
               help="onnxruntime: the ONNX graphs are the engine (CPU EP; CUDA EP with onnxruntime-gpu); "
                    "tensorrt: TensorRT plans built from them as well (needs TensorRT and an NVIDIA GPU)")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
-@click.option("--weights", type=click.Choice(["fp32", "int8", "int4"]), default="fp32", show_default=True,
+@click.option("--weights", type=click.Choice(["fp32", "int8", "int4", "w8a8"]), default="fp32", show_default=True,
               help="weight-only quantization of the linear layers and the LM head (ONNX Runtime MatMulNBits, "
-                   "onnxruntime backend): int4/int8 are what CPU deployments run; fp32 keeps the graphs that "
-                   "match torch")
+                   "onnxruntime backend): int4/int8 are what CPU deployments run; w8a8: int8 weights per column "
+                   "and int8 activations per row in integer matmuls (exactly row-invariant on every CPU); fp32 "
+                   "keeps the graphs that match torch")
 @click.option("--weight-block-size", type=int, default=None,
               help="quantization block along K (power of two >= 16) [default: 256 for int4, 128 for int8]")
 @click.option("--head-block-size", type=int, default=None,
@@ -180,8 +181,9 @@ def _summary(out: Path, manifest: dict, seconds: float) -> None:
     if manifest.get("quantization"):
         q = manifest["quantization"]
         a = q.get("agreement_with_fp32") or {}
-        console.print(f"weights {q['weights']} (block {q['block_size']}, LM head {q.get('lm_head_block_size')}, "
-                      f"accuracy level {q['accuracy_level']}); "
+        how = (q.get("activations") and f"activations {q['activations']}" or
+               f"block {q['block_size']}, LM head {q.get('lm_head_block_size')}, accuracy level {q['accuracy_level']}")
+        console.print(f"weights {q['weights']} ({how}); "
                       f"top-1 agreement with fp32 {a.get('top1_agreement', 0):.1%}, max |logit error| "
                       f"{a.get('max_logit_error', 0):.3g} on {a.get('tokens')} held-out tokens")
     modes = "ar, dflash, retrace" if manifest["models"].get("conditioner") else (

@@ -1,4 +1,5 @@
-"""Weight-only int4 / int8 bundles: the exported graphs' linear layers as ONNX Runtime MatMulNBits.
+"""Weight-only int4 / int8 bundles: the exported graphs' linear layers as ONNX Runtime MatMulNBits (and
+w8a8 bundles: integer matmuls with per-row int8 activations, retrace.export.w8a8).
 
 `retrace-export build --weights int4|int8` runs this after the fp32 graphs passed their parity check
 against torch. ONNX Runtime's own quantizer (`onnxruntime.quantization.matmul_nbits_quantizer`, round-to-
@@ -39,8 +40,8 @@ from retrace.errors import RetraceError
 from retrace.export.inline_fusion import inline_gated_suffix_fusion
 from retrace.export.nbits_fusions import fuse_quantized
 
-WEIGHTS = ("fp32", "int8", "int4")
-BITS = {"int4": 4, "int8": 8}
+WEIGHTS = ("fp32", "int8", "int4", "w8a8")
+BITS = {"int4": 4, "int8": 8, "w8a8": 8}
 # int4: block 256 of K, the step onnxruntime-genai is fastest at (issue 25): ours at 256 costs 0.77x the CPU of
 # ours at 128 and is no slower than its 256, with no measurable loss of top-1 agreement with fp32 on the trained
 # zoo (90.8% at 256, 90.0% at 128, 91.1% at 32; docs/quantization.md). int8: 128 (not measured). Block 32 would
@@ -70,10 +71,10 @@ class WeightQuant:
     def __post_init__(self):
         if self.weights not in WEIGHTS:
             raise QuantizeError(f"unknown --weights {self.weights!r} (choose from {', '.join(WEIGHTS)})")
-        if self.weights == "fp32":
+        if self.weights in ("fp32", "w8a8"):
             if (self.block_size, self.accuracy_level, self.head_block_size) != (None, None, None):
                 raise QuantizeError("--weight-block-size, --head-block-size and --accuracy-level need --weights "
-                                    "int4 or int8")
+                                    f"int4 or int8 (not {self.weights}: no blocks, integer matmuls)")
             return
         for option, b in (("--weight-block-size", self.block), ("--head-block-size", self.head_block)):
             if b < 16 or b & (b - 1):
@@ -101,7 +102,16 @@ class WeightQuant:
     def level(self) -> int:
         return DEFAULT_ACCURACY_LEVEL if self.accuracy_level is None else self.accuracy_level
 
+    @property
+    def row_scaled(self) -> bool:
+        """w8a8: per-row int8 activations and per-column int8 weights, integer matmuls (retrace.export.w8a8)."""
+        return self.weights == "w8a8"
+
     def manifest(self) -> dict:
+        if self.row_scaled:
+            return {"weights": self.weights, "bits": 8, "activations": "int8, symmetric per row, dynamic",
+                    "symmetric": True, "lm_head": self.lm_head, "fused": False,
+                    "quantizer": "retrace.export.w8a8 (per output column, round to nearest; MatMulInteger)"}
         return {"weights": self.weights, "bits": self.bits, "block_size": self.block,
                 "lm_head_block_size": self.head_block if self.lm_head else None,
                 "accuracy_level": self.level, "symmetric": True, "lm_head": self.lm_head, "fused": self.fuse,
@@ -139,17 +149,15 @@ def quantize_lm_head(model, base_dir: Path) -> str | None:
     return head.weight
 
 
-def quantize_graph(path: Path, q: WeightQuant) -> dict:
-    """Quantize the graph at `path` (+ its external data) in place; returns its manifest record."""
+def quantize_graph(path: Path, q: WeightQuant, lm_head: bool = True) -> dict:
+    """Quantize the graph at `path` (+ its external data) in place; returns its manifest record. lm_head:
+    this graph's LM head too (where q says so; a w8a8 drafter keeps its float head, which the runtime cuts
+    off and slices to the draft vocabulary)."""
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        DefaultWeightOnlyQuantConfig,
-        MatMulNBitsQuantizer,
-    )
 
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
-    if q.lm_head:
+    if q.lm_head and lm_head:
         head = quantize_lm_head(model, path.parent)  # loads the weights too: the quantizer reads them
     else:
         from onnx.external_data_helper import load_external_data_for_model
@@ -158,25 +166,16 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
         load_external_data_for_model(model, str(path.parent))
     inlined = inline_gated_suffix_fusion(model)  # the drafter's fusion: its three layers quantized too
     before = {n.name for n in model.graph.node if n.op_type == "MatMul"}
+    if q.row_scaled:
+        from retrace.export.w8a8 import convert
 
-    def run(m, block: int, **which):
-        config = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, accuracy_level=q.level,
-                                              bits=q.bits)
-        quantizer = MatMulNBitsQuantizer(m, bits=q.bits, block_size=block, is_symmetric=True,
-                                         accuracy_level=q.level, algo_config=config, **which)
-        quantizer.process()
-        return quantizer.model.model
-
-    split = head is not None and q.head_block != q.block
-    if split:  # the head at its own block first, then every other linear layer
-        model = run(model, q.head_block, nodes_to_exclude=sorted(before - {HEAD_NODE}))
-    out = run(model, q.block, nodes_to_exclude=[HEAD_NODE] if split else None)
-    nodes = sorted(n.name for n in out.graph.node if n.op_type == "MatMulNBits")
+        out, fusions = model, {}
+        nodes = sorted(convert(model))
+        left = sorted(before - set(nodes))
+    else:
+        out, nodes, left, fusions = _matmul_nbits(model, q, head is not None, before)
     if not nodes:
         raise QuantizeError(f"{path}: the quantizer found no MatMul with a constant weight to quantize")
-    left = sorted(before - {n[: -len(f"_Q{q.bits}")] for n in nodes})
-    fusions = fuse_quantized(out) if q.fuse else {}
-    nodes = sorted(n.name for n in out.graph.node if n.op_type == "MatMulNBits")
     data = path.with_name(path.name + ".data")
     tmp = path.with_name(path.name + ".quantizing")
     _save(out, tmp, data.name + ".quantizing")
@@ -187,6 +186,34 @@ def quantize_graph(path: Path, q: WeightQuant) -> dict:
     os.replace(tmp, path)
     return {"nodes": nodes, "float_matmuls": left, "lm_head": f"{head}.T" if head else None,
             "fusions": fusions, "inlined_fusion_matmuls": inlined, "data_bytes": data.stat().st_size}
+
+
+def _matmul_nbits(model, q: WeightQuant, head: bool, before: set[str]):
+    """ONNX Runtime's MatMulNBits quantizer over `model` (the LM head at its own block where it differs), then
+    the fusions -> (model, MatMulNBits nodes, MatMuls left float, fusions)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    def run(m, block: int, **which):
+        config = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=True, accuracy_level=q.level,
+                                              bits=q.bits)
+        quantizer = MatMulNBitsQuantizer(m, bits=q.bits, block_size=block, is_symmetric=True,
+                                         accuracy_level=q.level, algo_config=config, **which)
+        quantizer.process()
+        return quantizer.model.model
+
+    split = head and q.head_block != q.block
+    if split:  # the head at its own block first, then every other linear layer
+        model = run(model, q.head_block, nodes_to_exclude=sorted(before - {HEAD_NODE}))
+    out = run(model, q.block, nodes_to_exclude=[HEAD_NODE] if split else None)
+    nodes = sorted(n.name for n in out.graph.node if n.op_type == "MatMulNBits")
+    if not nodes:
+        return out, [], [], {}
+    left = sorted(before - {n[: -len(f"_Q{q.bits}")] for n in nodes})
+    fusions = fuse_quantized(out) if q.fuse else {}
+    return out, sorted(n.name for n in out.graph.node if n.op_type == "MatMulNBits"), left, fusions
 
 
 def _save(model, path: Path, location: str) -> None:
@@ -256,12 +283,14 @@ def quantize_bundle(graphs: dict, target, q: WeightQuant, note=None) -> dict:
     quant_log.setLevel(logging.WARNING)  # it logs every node it visits at INFO
     try:
         for name, g in graphs.items():
-            record["graphs"][name] = quantize_graph(g.path, q)
+            # a w8a8 drafter keeps its float head (cut off and sliced to the draft vocabulary at load)
+            record["graphs"][name] = quantize_graph(g.path, q, lm_head=not (q.row_scaled and name == "drafter"))
             ops = collections.Counter(n.op_type for n in onnx.load(str(g.path), load_external_data=False).graph.node)
             g.op_counts, g.node_count = dict(ops), sum(ops.values())
             g.custom_nodes = ops.get("GatedSuffixFusion", 0)
             if note:
-                note(f"{name}: {len(record['graphs'][name]['nodes'])} MatMulNBits, "
+                note(f"{name}: {len(record['graphs'][name]['nodes'])} "
+                     f"{'MatMulInteger' if q.row_scaled else 'MatMulNBits'}, "
                      f"{record['graphs'][name]['data_bytes'] / 2**20:.1f} MiB of weights")
     finally:
         quant_log.setLevel(level)

@@ -562,9 +562,10 @@ def as_presents(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def row_widths(bundle: Bundle, inplace, layers, threads: int | None) -> RowWidths:
     """What the target's kernels need for row-invariant calls on this CPU (retrace.runtime.row_invariance):
     the body's MatMulNBits (depths: hidden, attention output, MLP) and, unless the in-place graph pads it,
-    attention's one-token path; the LM head's (depth: hidden)."""
+    attention's one-token path; the LM head's (depth: hidden). A w8a8 bundle's integer matmuls are exact in
+    any row count (retrace.export.w8a8)."""
     q = bundle.manifest.get("quantization") or {}
-    if not q:
+    if not q or q.get("weights") == "w8a8":
         body = head = "any"
     else:
         bits, level, block = q.get("bits", 4), q.get("accuracy_level"), q.get("block_size")
