@@ -10,8 +10,8 @@ from retrace.export.w8a8 import convert, quantize_weight
 
 
 def _graph(k=64, n=48, seed=0):
-    """x [M, k] -> a = x @ W1, b = x @ W2 (one shared input), y = a @ W3 + b @ W4 (shared initializer W3 also
-    read by an Identity output, so it must stay float too)."""
+    """x [M, k] -> a = x @ W1, b = x @ W2 (one shared input), y = a @ W3 + b @ W4 (W3 also read by an Identity
+    output, so it must stay float too)."""
     rng = np.random.default_rng(seed)
     ws = {f"W{i}": (rng.standard_normal((k if i < 3 else n, n)) / np.sqrt(k)).astype(np.float32) for i in (1, 2, 3, 4)}
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["a"], name="mm1"),
@@ -59,8 +59,9 @@ def test_converted_graph_computes_the_w8a8_formula_and_leaves_the_rest_alone():
     done = convert(model)
     assert sorted(done) == ["mm1", "mm2", "mm3", "mm4"]
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("MatMulInteger") == 4 and "MatMul" not in ops
-    assert ops.count("ReduceMax") == 3  # x is quantized once for mm1 and mm2; a and b once each
+    # mm1 and mm2 read x: one MatMulInteger over both weights' columns, split back (x quantized once)
+    assert ops.count("MatMulInteger") == 3 and ops.count("Split") == 1 and "MatMul" not in ops
+    assert ops.count("ReduceMax") == 3  # x, a and b
     names = {i.name for i in model.graph.initializer}
     assert "W3" in names and not names & {"W1", "W2", "W4"}  # W3 is still read by the Identity
     onnx.checker.check_model(model)

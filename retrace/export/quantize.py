@@ -110,7 +110,7 @@ class WeightQuant:
     def manifest(self) -> dict:
         if self.row_scaled:
             return {"weights": self.weights, "bits": 8, "activations": "int8, symmetric per row, dynamic",
-                    "symmetric": True, "lm_head": self.lm_head, "fused": False,
+                    "symmetric": True, "lm_head": self.lm_head, "fused": self.fuse,
                     "quantizer": "retrace.export.w8a8 (per output column, round to nearest; MatMulInteger)"}
         return {"weights": self.weights, "bits": self.bits, "block_size": self.block,
                 "lm_head_block_size": self.head_block if self.lm_head else None,
@@ -169,9 +169,9 @@ def quantize_graph(path: Path, q: WeightQuant, lm_head: bool = True) -> dict:
     if q.row_scaled:
         from retrace.export.w8a8 import convert
 
-        out, fusions = model, {}
-        nodes = sorted(convert(model))
+        out, nodes = model, sorted(convert(model))  # q/k/v and gate/up merged by convert itself
         left = sorted(before - set(nodes))
+        fusions = fuse_quantized(out) if q.fuse and nodes else {}  # residual + RMSNorm (no MatMulNBits here)
     else:
         out, nodes, left, fusions = _matmul_nbits(model, q, head is not None, before)
     if not nodes:

@@ -12,8 +12,9 @@ order: a row's output never depends on how many rows share the call or on the ke
 verify of T tokens gives each row the bits a one-token decode gives it, on every CPU, with no padding to a
 second row (MatMulNBits' one-row kernel differs from its many-row kernel: retrace.runtime.row_invariance).
 On the AVX2-only 2-core EPYC of 2026-12-06, a stack of six Qwen3-0.6B-shaped layers' linear layers ran one
-row in 6.0 ms against 5.5 ms for MatMulNBits int4 (block 256) and 8.0 ms for MatMulNBits int8 (block 128),
-and 16 rows in 42 ms against 47 and 88 ms (`python benchmarks/w8a8_stack.py`; docs/quantization.md).
+row in 7.5 ms against 5.6 ms for MatMulNBits int4 (block 256) and 8.7 ms for MatMulNBits int8 (block 128),
+and 16 rows in 41 ms against 46 and 87 ms (`python benchmarks/w8a8_stack.py`; docs/quantization.md "W8A8").
+Both operands are uint8 with zero point 128: AVX2's u8 x s8 kernel sums product pairs in int16 and saturates.
 
 Per distinct activation input (q/k/v share one, gate/up another): Abs -> ReduceMax over the last axis ->
 the row's reciprocal scale 127 / m and scale m / 127 -> Mul, Round, Add 128, Cast to uint8 (the row as
@@ -45,6 +46,24 @@ def quantize_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (np.clip(np.rint(w / scale), -127, 127) + 128).astype(np.uint8), scale
 
 
+def _quantize_rows(x: str) -> list:
+    """The nodes that make `x`'s rows uint8 (zero point 128) and their scales: `x_w8a8_u8`, `x_w8a8_scale`."""
+    from onnx import TensorProto, helper
+
+    p = f"{x}_w8a8"
+    return [
+        helper.make_node("Abs", [x], [p + "_abs"], name=p + "_abs"),
+        helper.make_node("ReduceMax", [p + "_abs", ROW_AXIS], [p + "_max0"], keepdims=1, name=p + "_max0"),
+        helper.make_node("Max", [p + "_max0", "w8a8_floor"], [p + "_max"], name=p + "_max"),
+        helper.make_node("Div", ["w8a8_127", p + "_max"], [p + "_inv"], name=p + "_inv"),
+        helper.make_node("Div", [p + "_max", "w8a8_127"], [p + "_scale"], name=p + "_scale"),
+        helper.make_node("Mul", [x, p + "_inv"], [p + "_scaled"], name=p + "_scaled"),
+        helper.make_node("Round", [p + "_scaled"], [p + "_round"], name=p + "_round"),
+        helper.make_node("Add", [p + "_round", "w8a8_128"], [p + "_shift"], name=p + "_shift"),
+        helper.make_node("Cast", [p + "_shift"], [p + "_u8"], to=TensorProto.UINT8, name=p + "_u8"),
+    ]
+
+
 def convert(model, exclude: set[str] = frozenset()) -> list[str]:
     """Rewrite `model` (an onnx ModelProto with its weights loaded; changed in place) as W8A8; returns the
     names of the MatMul nodes converted. exclude: node names to leave float."""
@@ -65,45 +84,52 @@ def convert(model, exclude: set[str] = frozenset()) -> list[str]:
     for name, value in CONSTANTS.items():
         if name not in inits:
             g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+    groups: dict[str, list] = {}  # activation -> its matmuls whose weights nothing else reads (q/k/v, gate/up)
+    for n in targets:
+        if consumers[n.input[1]] == 1:
+            groups.setdefault(n.input[0], []).append(n)
+    merged = {n.output[0]: group for group in groups.values() if len(group) > 1 for n in group}
+    converting = {n.output[0] for n in targets}  # nodes are keyed by their output (the same node object is
+    #   not guaranteed across two iterations of a protobuf repeated field)
     quantized_rows: dict[str, tuple[str, str]] = {}  # activation -> (u8 rows, row scale)
     new_nodes = []
     done = []
     for node in list(g.node):
-        if node not in targets:
+        if node.op_type != "MatMul" or node.output[0] not in converting:
             new_nodes.append(node)
             continue
-        x, wname = node.input
+        group = merged.get(node.output[0], [node])
+        if node.output[0] != group[0].output[0]:
+            continue  # written with its group's first node
+        x = node.input[0]
         if x not in quantized_rows:
-            p = f"{x}_w8a8"
-            new_nodes += [
-                helper.make_node("Abs", [x], [p + "_abs"], name=p + "_abs"),
-                helper.make_node("ReduceMax", [p + "_abs", ROW_AXIS], [p + "_max0"], keepdims=1, name=p + "_max0"),
-                helper.make_node("Max", [p + "_max0", "w8a8_floor"], [p + "_max"], name=p + "_max"),
-                helper.make_node("Div", ["w8a8_127", p + "_max"], [p + "_inv"], name=p + "_inv"),
-                helper.make_node("Div", [p + "_max", "w8a8_127"], [p + "_scale"], name=p + "_scale"),
-                helper.make_node("Mul", [x, p + "_inv"], [p + "_scaled"], name=p + "_scaled"),
-                helper.make_node("Round", [p + "_scaled"], [p + "_round"], name=p + "_round"),
-                helper.make_node("Add", [p + "_round", "w8a8_128"], [p + "_shift"], name=p + "_shift"),
-                helper.make_node("Cast", [p + "_shift"], [p + "_u8"], to=TensorProto.UINT8, name=p + "_u8"),
-            ]
-            quantized_rows[x] = (p + "_u8", p + "_scale")
+            new_nodes += _quantize_rows(x)
+            quantized_rows[x] = (f"{x}_w8a8_u8", f"{x}_w8a8_scale")
         xq, xs = quantized_rows[x]
-        w = inits[wname]
-        wq, ws = quantize_weight(numpy_helper.to_array(w))
+        parts = [quantize_weight(numpy_helper.to_array(inits[n.input[1]])) for n in group]
+        wname = group[0].input[1] if len(group) == 1 else "+".join(n.input[1] for n in group)
         qname, sname = wname + "_W8", wname + "_W8_scale"
         if qname not in inits:
-            g.initializer.extend([numpy_helper.from_array(wq, qname), numpy_helper.from_array(ws, sname)])
+            g.initializer.extend([numpy_helper.from_array(np.concatenate([w for w, _ in parts], axis=1), qname),
+                                  numpy_helper.from_array(np.concatenate([c for _, c in parts]), sname)])
             inits[qname] = inits[sname] = None
-        y, p = node.output[0], (node.name or wname) + "_w8a8"
+        p = (node.name or wname) + "_w8a8"
+        y = node.output[0] if len(group) == 1 else p + "_y"
         new_nodes += [
             helper.make_node("MatMulInteger", [xq, qname, "w8a8_zero_point", "w8a8_zero_point"], [p + "_acc"],
-                             name=node.name or p),
+                             name=node.name if len(group) == 1 else p),
             helper.make_node("Cast", [p + "_acc"], [p + "_f"], to=TensorProto.FLOAT, name=p + "_f"),
             helper.make_node("Mul", [p + "_f", xs], [p + "_row"], name=p + "_row"),
             helper.make_node("Mul", [p + "_row", sname], [y], name=p + "_col"),
         ]
-        consumers[wname] -= 1
-        done.append(node.name)
+        if len(group) > 1:  # the group's outputs back under their own names
+            sizes = p + "_sizes"
+            g.initializer.append(numpy_helper.from_array(np.array([w.shape[1] for w, _ in parts], np.int64), sizes))
+            new_nodes.append(helper.make_node("Split", [y, sizes], [n.output[0] for n in group], axis=-1,
+                                              name=p + "_split"))
+        for n in group:
+            consumers[n.input[1]] -= 1
+            done.append(n.name)
     del g.node[:]
     g.node.extend(new_nodes)
     unused = {name for name, c in consumers.items() if c == 0}
