@@ -289,7 +289,8 @@ def test_w8a8_graphs_are_row_invariant_and_decode_like_their_own_ar(tmp_path):
     for name in ("target", "drafter"):
         proto = onnx.load(str(bundle / name / "model.onnx"), load_external_data=False)
         inits = {i.name for i in proto.graph.initializer}
-        assert sorted(n.name for n in proto.graph.node if n.op_type == "MatMulInteger") == rec[name]["nodes"]
+        ints = [n for n in proto.graph.node if n.op_type == "MatMulInteger"]
+        assert 0 < len(ints) < len(rec[name]["nodes"])  # q/k/v and gate/up merged (retrace.export.w8a8)
         assert not [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
     m["weights"], m["quantization"] = "w8a8", q.manifest()
     # this pair's head is untied: the target's float head is gone, the drafter's own copy stays unshared
