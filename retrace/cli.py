@@ -181,9 +181,9 @@ main.add_command(eval_cmd)
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False), default=None,
               help="render table/plots/markdown from an earlier --json file instead of running")
 @click.option("--weights", "weights", default="fp32", show_default=True,
-              help="precisions (comma list of fp32, int8, int4, int4:BLOCK): our bundles (retrace-export build "
+              help="precisions (comma list of fp32, int8, int4, int4:BLOCK, w8a8): our bundles (retrace-export build "
                    "--weights), onnxruntime-genai's builder models and llama.cpp's GGUF (int4: Q4_K_M, int8: Q8_0) at "
-                   "each; quantized systems' names end in -int4 etc.")
+                   "each (w8a8: ours only); quantized systems' names end in -int4 etc.")
 @cli_errors
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
           no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy,

@@ -19,7 +19,13 @@ def test_weights_parse_suffixes_and_gguf_types():
     assert precision.parse("fp32, int4,int4:256,int4") == ("fp32", "int4", "int4:256")
     assert [precision.suffix(w) for w in ("fp32", "int8", "int4:256")] == ["", "-int8", "-int4b256"]
     assert [precision.llamacpp_type(w) for w in ("fp32", "int8", "int4:32")] == [None, "Q8_0", "Q4_K_M"]
-    for bad in ("int3", "fp32:64", "int4:x", ""):
+    # w8a8: ours only (retrace.export.w8a8), compared with the int8 peers; no block
+    assert precision.parse("w8a8,int8") == ("w8a8", "int8") and precision.suffix("w8a8") == "-w8a8"
+    assert precision.llamacpp_type("w8a8") is None
+    assert [precision.width_of(n) for n in ("retrace-onnxruntime-ar-w8a8", "ortgenai-ar-int8", "llamacpp-ar-q8_0",
+                                            "ortgenai-ar-int4b256", "ortgenai-ar")] == ["int8"] * 3 + ["int4", "fp32"]
+    assert precision.of_name("retrace-onnxruntime-retrace-lookup-first-w8a8") == "-w8a8"
+    for bad in ("int3", "fp32:64", "int4:x", "", "w8a8:64"):
         with pytest.raises(RetraceError, match="--weights"):
             precision.parse(bad)
 

@@ -141,7 +141,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
                 built.skip(["hf-dflash"], f"{type(e).__name__}: {e}".splitlines()[0])
 
     # onnxruntime-genai peers
-    for weights in cfg.weights:
+    for weights in (w for w in cfg.weights if w != "w8a8"):  # w8a8 is ours only (its peers: int8)
         sfx = precision_suffix(weights)
         if group("ortgenai") and any(wanted(n + sfx, cfg.systems) for n in ("ortgenai-ar", *ORTGENAI_SPEC)):
             from retrace.bench.ortgenai_peers import add_ortgenai_systems
