@@ -19,8 +19,9 @@ Both operands are uint8 with zero point 128: AVX2's u8 x s8 kernel sums product 
 Per distinct activation input (q/k/v share one, gate/up another): Abs -> ReduceMax over the last axis ->
 the row's reciprocal scale 127 / m and scale m / 127 -> Mul, Round, Add 128, Cast to uint8 (the row as
 u8 with zero point 128: |x / s_x| <= 127, so no clip is needed). Per MatMul: MatMulInteger(x_u8, W_u8, 128,
-128) -> Cast to float -> Mul by the row scale [.., 1] -> Mul by the column scales [N]. A row of zeros gets the
-scale of max 1e-30 and quantizes to zeros.
+128) -> Cast to float -> Mul by the row scale [.., 1] -> Mul by the column scales [N]; matmuls that read one
+activation with weights nothing else reads (q/k/v, gate/up) are one MatMulInteger over their columns
+concatenated, then a Split. A row of zeros gets the scale of max 1e-30 and quantizes to zeros.
 """
 
 from __future__ import annotations
