@@ -181,7 +181,7 @@ def _summary(out: Path, manifest: dict, seconds: float) -> None:
     if manifest.get("quantization"):
         q = manifest["quantization"]
         a = q.get("agreement_with_fp32") or {}
-        how = (q.get("activations") and f"activations {q['activations']}" or
+        how = (f"activations {q['activations']}" if q.get("activations") else
                f"block {q['block_size']}, LM head {q.get('lm_head_block_size')}, accuracy level {q['accuracy_level']}")
         console.print(f"weights {q['weights']} ({how}); "
                       f"top-1 agreement with fp32 {a.get('top1_agreement', 0):.1%}, max |logit error| "

@@ -72,10 +72,9 @@ def convert(model, exclude: set[str] = frozenset()) -> list[str]:
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
-    float_types = (TensorProto.FLOAT,)
     targets = [n for n in g.node if n.op_type == "MatMul" and n.name not in exclude and len(n.input) == 2
                and n.input[1] in inits and len(inits[n.input[1]].dims) == 2
-               and inits[n.input[1]].data_type in float_types]
+               and inits[n.input[1]].data_type == TensorProto.FLOAT]
     if not targets:
         return []
     consumers: dict[str, int] = {}  # initializer -> how many nodes read it (a shared one stays float as well)
@@ -93,6 +92,7 @@ def convert(model, exclude: set[str] = frozenset()) -> list[str]:
     converting = {n.output[0] for n in targets}  # nodes are keyed by their output (the same node object is
     #   not guaranteed across two iterations of a protobuf repeated field)
     quantized_rows: dict[str, tuple[str, str]] = {}  # activation -> (u8 rows, row scale)
+    written: set[str] = set()  # quantized weights already added (a weight two converted matmuls read: once)
     new_nodes = []
     done = []
     for node in list(g.node):
@@ -110,10 +110,10 @@ def convert(model, exclude: set[str] = frozenset()) -> list[str]:
         parts = [quantize_weight(numpy_helper.to_array(inits[n.input[1]])) for n in group]
         wname = group[0].input[1] if len(group) == 1 else "+".join(n.input[1] for n in group)
         qname, sname = wname + "_W8", wname + "_W8_scale"
-        if qname not in inits:
+        if qname not in written:
             g.initializer.extend([numpy_helper.from_array(np.concatenate([w for w, _ in parts], axis=1), qname),
                                   numpy_helper.from_array(np.concatenate([c for _, c in parts]), sname)])
-            inits[qname] = inits[sname] = None
+            written.add(qname)
         p = (node.name or wname) + "_w8a8"
         y = node.output[0] if len(group) == 1 else p + "_y"
         new_nodes += [
