@@ -52,7 +52,7 @@ bench: $(STAMP)
 LLAMA_SRC_DIR ?= .cache/llama-cpp-src
 SCALE_ZOO ?= zoo-qwen3-0.6b
 SCALE_BUNDLE ?= bundles/qwen3-0.6b
-SCALE_WEIGHTS ?= fp32,int8,int4
+SCALE_WEIGHTS ?= fp32,int8,int4,w8a8
 bench-scale: $(STAMP)
 	$(BIN)/retrace zoo tiny --out $(ZOO) --size small
 	$(BIN)/retrace zoo draft-ar --from $(ZOO) --quiet

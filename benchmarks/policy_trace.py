@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     prompts = [p.ids for p in load_prompts([a.prompts], rt.codec, limit=a.limit)]
     params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
     policy = TracedPolicy(rt.scheduler().block_size)
-    traced = Runtime(rt.backend, rt.codec, verify_policy=policy)
+    traced = Runtime(rt.backend, rt.codec, verify_policy=policy, prompt_lookup=False)
     rt.generate(prompts[:1], SamplingParams(max_new_tokens=4), "ar")  # warm-up
     results = {}
     for name, runtime, mode in (("ar", rt, "ar"), (a.mode, traced, a.mode)):

@@ -127,7 +127,7 @@ def fresh_system(base: Runtime, replay: Replay, timers: ForwardTimers, name: str
     if fixed not in ("", "fixed"):
         raise SystemExit(f"{name}: a system is MODE or MODE-fixed")
     policy = "fixed" if fixed or mode == "ar" else "adaptive"
-    rt = Runtime(base.backend, base.codec, block_size=base.block_size, verify_policy=policy)
+    rt = Runtime(base.backend, base.codec, block_size=base.block_size, verify_policy=policy, prompt_lookup=False)
     rt.scheduler().clock = replay.clock
     return RetraceSystem(rt, "onnxruntime", mode, timers, name)
 

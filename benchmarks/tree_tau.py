@@ -40,7 +40,7 @@ def run_config(zoo: Path, prompts, mode: str, budget: int, sources: str, max_new
                temperature: float, policy: str = "fixed") -> dict:
     max_len = max(len(p) for p in prompts) + max_new + max(budget, 16) + 2
     be = TorchBackend.from_dirs(zoo / "target", zoo / "drafter", max_batch=max_batch, max_seq_len=max_len)
-    rt = Runtime(be, None, verify_policy=policy, tree_budget=budget, tree_sources=sources)
+    rt = Runtime(be, None, verify_policy=policy, tree_budget=budget, tree_sources=sources, prompt_lookup=False)
     t0 = time.perf_counter()
     res = rt.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=0,
                                               ignore_eos=True), mode)

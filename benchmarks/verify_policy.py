@@ -46,7 +46,8 @@ def make_policies(block: int) -> dict:
 
 
 def run(rt_base: Runtime, policy, prompts, mode: str, batch: int, max_new: int) -> dict:
-    rt = Runtime(rt_base.backend, rt_base.codec, block_size=rt_base.block_size, verify_policy=policy)
+    rt = Runtime(rt_base.backend, rt_base.codec, block_size=rt_base.block_size, verify_policy=policy,
+                 prompt_lookup=False)
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     calls = {"draft": 0}
     inner = rt.backend.draft

@@ -173,7 +173,10 @@ main.add_command(eval_cmd)
 @click.option("--profile", "profile_out", type=click.Path(), default=None,
               help="cProfile one batch-1 run of the headline retrace system into this file")
 @click.option("--readme-table", is_flag=True, help="print the results as a markdown table (for the README)")
-@runtime_flags("verify_policy", "tree_budget", "tree_sources", "prompt_lookup")
+@runtime_flags("verify_policy", "tree_budget", "tree_sources", "prompt_lookup", prompt_lookup="off",
+               helps={"prompt_lookup": "also run retrace-<backend>-<mode>-lookup (prompt lookup in rounds without a "
+                                       "drafter call) and -lookup-first (also instead of one where it pays more); "
+                                       "the other retrace systems never look up"})
 @click.option("--tree-fixed", default="", help="also run retrace-<backend>-<mode>-tree<b>-fixed: trees of exactly "
                                                "b tokens a round, for each b of this comma list (e.g. 4,8,16)")
 @click.option("--markdown", "markdown_out", type=click.Path(), default=None, help="write the markdown table here")
@@ -200,9 +203,9 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()),
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
-                  tree_fixed=tree_fixed, prompt_lookup=bool(prompt_lookup), weights=weights, device=device, dtype=dtype,
-                  compile_steps=compile_steps, cuda_graphs=False if no_cuda_graphs else None,
-                  row_invariant=row_invariance is not False)
+                  tree_fixed=tree_fixed, prompt_lookup=prompt_lookup not in (None, "off"), weights=weights,
+                  device=device, dtype=dtype, compile_steps=compile_steps,
+                  cuda_graphs=False if no_cuda_graphs else None, row_invariant=row_invariance is not False)
 
 
 from retrace.serve.cli import serve  # noqa: E402  (imports fastapi/uvicorn only when run)

@@ -41,10 +41,12 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
         help="where a draft tree's candidates come from: topk (the drafter's per-slot top-k), suffix (the "
              "previous round's rejected suffix), target (the target's argmax on it)")),
     "prompt_lookup": ("prompt_lookup", "--prompt-lookup", dict(
-        type=click.Choice(["on", "first"]), is_flag=False, flag_value="on", default=None,
-        help="in rounds without a drafter call, verify drafts copied from the request's own prompt and output "
-             "(n-gram lookup; greedy requests; runtime/prompt_lookup.py); `--prompt-lookup first`: also instead "
-             "of a draft call where the lookup is expected to commit faster (runtime/proposers/lookup_first.py)")),
+        type=click.Choice(["off", "on", "first"]), is_flag=False, flag_value="on", default="first",
+        show_default=True,
+        help="verify drafts copied from the request's own prompt and output (n-gram lookup; greedy requests, "
+             "one-row rounds; runtime/prompt_lookup.py): `on` in rounds without a drafter call, `first` also "
+             "instead of a draft call where the lookup is expected to commit faster "
+             "(runtime/proposers/lookup_first.py), `off` never")),
     "device": ("device", "--device", dict(
         default=None, help="where the torch backend runs: cpu, cuda, cuda:N", note="[default: cpu]")),
     "dtype": ("dtype", "--dtype", dict(
@@ -62,6 +64,8 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
                            "every call at 16 columns)", note="[default: on for a bundle and on CUDA, off for torch "
                                                            "on the CPU]")),
 }
+
+LOOKUP = {None: False, "off": False, "on": True, "first": "first"}  # --prompt-lookup -> RuntimeOptions.prompt_lookup
 
 SOURCE_OPTIONS = [  # where the runtime comes from (not RuntimeOptions: they pick the backend and its files)
     click.option("--target", type=click.Path(), help="Qwen3 target HF directory"),
@@ -108,8 +112,8 @@ def options_from_flags(values: dict):
     for field, (param, _, _) in FLAGS.items():
         if param in values:
             given[field] = values[param]
-    if "prompt_lookup" in given:  # --prompt-lookup [on|first]
-        given["prompt_lookup"] = {None: False, "on": True}.get(given["prompt_lookup"], given["prompt_lookup"])
+    if "prompt_lookup" in given:  # --prompt-lookup [off|on|first]
+        given["prompt_lookup"] = LOOKUP[given["prompt_lookup"]]
     for name in ("verify_bundle", "cuda_graphs"):  # "--no-" flags: off when given, else the default
         if name in given:
             given[name] = False if given[name] else None

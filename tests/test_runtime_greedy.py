@@ -263,7 +263,7 @@ def test_adaptive_policy_stays_exact(world, oracle, ragged):
         for batch, max_batch in ((1, 8), (2, 8), (5, 8), (8, 3)):
             be = TorchBackend.from_dirs(world.target, world.drafter, max_batch=max_batch, max_seq_len=128)
             spy = ContextSpy(OracleDrafter(be, world.sequences(), seed=batch) if oracle else be)
-            rt = Runtime(spy, TextCodec.find(world.target), block_size=B,
+            rt = Runtime(spy, TextCodec.find(world.target), block_size=B, prompt_lookup=False,  # the policy alone
                          verify_policy=steep_cost_policy(B, ragged=ragged))
             res = rt.generate(world.prompts[:batch], SamplingParams(max_new_tokens=MAX_NEW), mode)
             check_exact(res, want[:batch], f"adaptive {mode} batch {batch} oracle={oracle} ragged={ragged}")

@@ -93,6 +93,26 @@ def test_options_travel_whole_to_the_scheduler(pair):
     assert Runtime(rt.backend, rt.codec, block_size=4).options == RuntimeOptions(block_size=4)
 
 
+def test_prompt_lookup_first_is_the_default_and_off_turns_it_off(pair):
+    """The runtime looks up first by default (runtime/proposers/lookup_first.py); `--prompt-lookup off|on|first`
+    maps to False / True / "first"; what measures the drafter alone runs without it (training rollouts and
+    `retrace eval`, the bench's drafter-only systems: `retrace bench` runs lookup systems only when asked)."""
+    from retrace.cli_options import options_from_flags
+    from retrace.runtime.proposers.lookup_first import LookupFirstPlan
+    from retrace.train.rollout import run_requests
+
+    rt = Runtime.from_dirs(*pair, max_batch=2, max_seq_len=64)
+    sched = rt.scheduler()
+    assert RuntimeOptions().prompt_lookup == "first" and sched.lookup.first and type(sched.plan) is LookupFirstPlan
+    assert Runtime(rt.backend, rt.codec, prompt_lookup=False).scheduler().lookup is None
+    for flag, want in ((None, False), ("off", False), ("on", True), ("first", "first")):
+        assert options_from_flags({"prompt_lookup": flag}).prompt_lookup == want
+    declared = {c: {p.opts[0]: p for p in main.commands[c].params} for c in ("generate", "serve", "bench")}
+    assert [declared[c]["--prompt-lookup"].default for c in ("generate", "serve", "bench")] == ["first", "first", "off"]
+    _, rollout = run_requests(rt.backend, [PROMPTS[0]], "retrace", 4, 0.0, 0, verify_policy="adaptive")
+    assert rollout.lookup is None
+
+
 def test_backend_checks_are_made_with_the_runtime(pair):
     rt = Runtime.from_dirs(*pair, max_batch=2, max_seq_len=32)
     with pytest.raises(RetraceError, match=r"block size 9 must be in 2\.\.8 \(the drafter's block_size\)"):

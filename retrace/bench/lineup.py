@@ -72,13 +72,14 @@ def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig, suffix: s
                 continue
             _, tree_policy, budget = policy.split(":")
             runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=tree_policy,
-                                       tree_budget=int(budget), tree_sources=cfg.tree_sources)
+                                       tree_budget=int(budget), tree_sources=cfg.tree_sources, prompt_lookup=False)
         if policy.startswith(("lookup:", "lookup-first:")) and policy not in runtimes:
             kind, verify_policy = policy.split(":")
             runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=verify_policy,
                                        prompt_lookup=True if kind == "lookup" else "first")
         if policy not in runtimes:
-            runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=policy)
+            runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=policy,
+                                       prompt_lookup=False)  # the drafter alone: lookup has systems of its own
         built.systems.append(RetraceSystem(runtimes[policy], backend, mode, timers, name))
 
 

@@ -35,8 +35,8 @@ def greedy(target, drafter, prompts: list[list[int]], mode: str, batch: int, max
     """-> token_ids per prompt, tau (pooled over the run), tokens/s (wall, after one warm-up request)."""
     B = drafter.config.block_size
     max_len = max(len(p) for p in prompts) + max_new_tokens + B + 2
-    return timed(Runtime(make_backend(target, drafter, batch, max_len, device, static_cache=True)), prompts, mode,
-                 max_new_tokens, device)
+    rt = Runtime(make_backend(target, drafter, batch, max_len, device, static_cache=True), prompt_lookup=False)
+    return timed(rt, prompts, mode, max_new_tokens, device)  # the drafter's tau: no prompt lookup rounds
 
 
 def timed(rt: Runtime, prompts: list[list[int]], mode: str, max_new_tokens: int, device: torch.device) -> dict:

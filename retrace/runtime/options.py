@@ -46,10 +46,12 @@ class RuntimeOptions:
     tree_sources: str | tuple[str, ...] = SOURCES  # a tree's candidates, a comma list or a tuple of "topk"
     #   (the drafter's top-k), "suffix" (the previous round's rejected suffix), "target" (the target's argmax
     #   on it); kept as the validated tuple, in SOURCES order
-    prompt_lookup: bool | str | PromptLookup = False  # True (or a PromptLookup): in rounds without a drafter
-    #   call, verify drafts copied from the request's own tokens (runtime/prompt_lookup.py; dflash and retrace
-    #   modes, greedy rows); "first" (PromptLookup(first=True)): also instead of a draft call where it is
-    #   expected to commit faster (runtime/proposers/lookup_first.py)
+    prompt_lookup: bool | str | PromptLookup = "first"  # "first" (PromptLookup(first=True), the default): in
+    #   rounds without a drafter call, and instead of a draft call where it is expected to commit faster, verify
+    #   drafts copied from the request's own tokens (runtime/prompt_lookup.py, runtime/proposers/lookup_first.py;
+    #   dflash and retrace modes, greedy rows of a one-row round); True (or a PromptLookup): only in rounds
+    #   without a drafter call; False: never (what measures the drafter alone: `retrace eval`, training
+    #   rollouts, the bench's drafter-only systems)
     eos_ids: tuple[int, ...] | None = None  # tokens that end a request; None: the target's eos_token_ids
     # -- the backend --
     max_batch: int | None = None  # batch slots; None: DIRS_MAX_BATCH for model dirs, the bundle's limit

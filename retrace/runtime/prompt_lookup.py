@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from retrace.errors import RetraceError
-from retrace.runtime.device import host_values, index_tensor
+from retrace.runtime.device import CPU, host_values, index_tensor
 
 
 class _Index:
@@ -103,11 +103,12 @@ class PromptLookup:
         return found
 
     def propose(self, reqs, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (drafts [N, L] int64 padded with 0, lengths [N]) from each greedy request's own tokens."""
+        """-> (drafts [N, L] int64 padded with 0, lengths [N]) from each greedy request's own tokens, both on
+        the host (the lengths with their host copy: `best` reads nothing)."""
         self._matched = []
         if len(reqs) > self.max_rows:
             self._matched = [0] * len(reqs)
-            return torch.zeros(len(reqs), 0, dtype=torch.int64), torch.zeros(len(reqs), dtype=torch.int64)
+            return torch.zeros(len(reqs), 0, dtype=torch.int64, device=CPU), index_tensor([0] * len(reqs), CPU)
         props = []
         for r in reqs:
             if r.params.temperature <= 0:
@@ -116,10 +117,8 @@ class PromptLookup:
                 props.append([])
                 self._matched.append(0)
         L = max(len(p) for p in props)
-        drafts = torch.zeros(len(reqs), L, dtype=torch.int64)
-        for i, p in enumerate(props):
-            drafts[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        return drafts, index_tensor([len(p) for p in props], drafts.device)  # lengths with their host copy
+        drafts = torch.tensor([p + [0] * (L - len(p)) for p in props], dtype=torch.int64, device=CPU)
+        return drafts, index_tensor([len(p) for p in props], CPU)
 
     def choose(self, lengths: torch.Tensor, cost) -> int:
         """K lookup tokens to verify this round (0: a plain step); cost: the policy's CostModel, None =

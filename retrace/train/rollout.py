@@ -139,7 +139,8 @@ def run_requests(backend, prompts: list[list[int]], mode: str, max_new_tokens: i
     prompt (output ids, per-round accepted counts, and with `record` the retrace suffix records)."""
     rec_be = RecordingBackend(backend, keep_debug=keep_debug, keep_empty=keep_empty) if record else backend
     sched = Scheduler(rec_be, None, RuntimeOptions(block_size=block_size, eos_ids=eos_ids, verify_policy=verify_policy,
-                                                   tree_budget=tree_budget, tree_sources=tree_sources))
+                                                   tree_budget=tree_budget, tree_sources=tree_sources,
+                                                   prompt_lookup=False))  # the drafter's rounds only
     if record:
         rec_be.sched = sched
     reqs = []
@@ -211,7 +212,7 @@ def generate(target: Qwen3Target, prompts: list[list[int]], max_new_tokens: int,
         outs, _ = run_requests(be, prompts, "ar", max_new_tokens, temperature, seed, progress=progress)
         return [o.output_ids for o in outs]
     rec = TapRecorder(be)
-    sched = Scheduler(rec, None, RuntimeOptions(verify_policy="fixed"))
+    sched = Scheduler(rec, None, RuntimeOptions(verify_policy="fixed", prompt_lookup=False))
     rec.sched = sched
     reqs = [sched.add(list(p), SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i),
                       "ar") for i, p in enumerate(prompts)]

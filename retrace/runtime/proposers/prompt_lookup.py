@@ -5,7 +5,7 @@ estimate behind `best`)."""
 
 from __future__ import annotations
 
-from retrace.runtime.device import host_values, index_tensor
+from retrace.runtime.device import host_values, index_tensor, to_device
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.proposers.base import Proposal, RoundBatch
 
@@ -29,7 +29,7 @@ class LookupProposer:
             self.gain(batch)
         _, drafts, lengths, k, _ = self._offer
         self._offer = None
-        return Proposal("chain", self, drafts[:, :k].to(batch.device),
+        return Proposal("chain", self, to_device(drafts[:, :k], batch.device),
                         index_tensor([min(n, k) for n in host_values(lengths)], batch.device))
 
     def observe(self, outcome) -> None:
