@@ -271,7 +271,7 @@ def test_the_cost_model_sees_the_stopwatchs_times(pair):
 
     assert isinstance(stopwatch_for(torch.device("cuda")), CudaStopwatch)
     assert isinstance(stopwatch_for(torch.device("cpu")), HostStopwatch)
-    rt = Runtime.from_dirs(*pair, max_batch=2, max_seq_len=64, verify_policy="adaptive")
+    rt = Runtime.from_dirs(*pair, max_batch=2, max_seq_len=64, verify_policy="adaptive", prompt_lookup=False)
     sched = rt.scheduler()
     assert isinstance(sched.clock, HostStopwatch)
     sched.clock = Ticks()
