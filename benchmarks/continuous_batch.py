@@ -1,13 +1,16 @@
 """Throughput under continuous batching: many requests through a few slots (not a test).
 
     python benchmarks/continuous_batch.py --engine BUNDLE --prompts DIR_OR_JSONL [--requests 16] [--slots 4]
-        [--max-new-tokens 48] [--runs 2] [--threads 2] [--json F]
+        [--max-new-tokens 48] [--runs 2] [--warmup 1] [--threads 2] [--systems ar,retrace,...] [--json F]
 
 `retrace bench` runs closed batches (b prompts together until the slowest is done). A server refills a
 finished request's slot at once, which is what the verify policy's objective (tokens per second summed over
 the rows) assumes. This runs `--requests` greedy prompts through `--slots` slots of one ONNX Runtime
-backend and times, interleaved over `--runs`: ar, retrace (adaptive policy) and retrace with prompt
-lookup; every output is checked against ar's.
+backend and times, interleaved over `--runs` (after `--warmup` untimed passes), each system a fresh Runtime
+(adaptive policy) over the one backend; every output is checked against ar's. Systems (SYSTEMS):
+ar; retrace (the drafter alone: `--prompt-lookup off`); retrace-lookup (`on`); retrace-lookup-first (`first`,
+the runtime's default: up to 4 rows); retrace-lookup-first-rows1 (`first`, one-row rounds only, the default
+until 2026-12-06).
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from pathlib import Path
 from retrace.bench.prompts import load_prompts
 from retrace.runtime import Runtime, SamplingParams
 from retrace.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.tokenizer import TextCodec
+
+SYSTEMS = {  # name -> (mode, RuntimeOptions.prompt_lookup, made fresh per run)
+    "ar": ("ar", lambda: False),
+    "retrace": ("retrace", lambda: False),
+    "retrace-lookup": ("retrace", lambda: True),
+    "retrace-lookup-first": ("retrace", lambda: "first"),
+    "retrace-lookup-first-rows1": ("retrace", lambda: PromptLookup(first=True, max_rows=1)),
+}
 
 
 def main() -> None:
@@ -32,22 +44,28 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed passes over every system first")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--systems", default="ar,retrace,retrace-lookup", help=f"comma list of {', '.join(SYSTEMS)}")
     ap.add_argument("--json")
     a = ap.parse_args()
     be = OnnxRuntimeBackend.from_bundle(a.engine, max_batch=a.slots, threads=a.threads)
     codec = TextCodec.find(Path(a.engine) / "tokenizer", a.engine)
     prompts = [p.ids for p in load_prompts([a.prompts], codec, limit=a.requests)]
-    systems = {"ar": ("ar", False), "retrace": ("retrace", False), "retrace-lookup": ("retrace", True)}
+    names = ["ar", *(n for n in a.systems.split(",") if n and n != "ar")]  # ar: the reference
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
+    systems = {n: SYSTEMS[n] for n in names}
     params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
     times: dict[str, list[float]] = {n: [] for n in systems}
     outs, stats = {}, {}
-    for run in range(a.runs + 1):  # run 0 warms up
+    for run in range(a.warmup + a.runs):
         for name, (mode, lookup) in systems.items():
-            rt = Runtime(be, codec, verify_policy="adaptive", prompt_lookup=lookup)  # a fresh policy per run
+            rt = Runtime(be, codec, verify_policy="adaptive", prompt_lookup=lookup())  # a fresh policy per run
             t0 = time.perf_counter()
             res = rt.generate(prompts, params, mode)
-            if run:
+            if run >= a.warmup:
                 times[name].append(time.perf_counter() - t0)
             outs[name], stats[name] = [r.token_ids for r in res], rt.run_stats()
     tokens = a.requests * a.max_new_tokens
@@ -59,7 +77,7 @@ def main() -> None:
                                    "same_output_as_ar": outs[name] == outs["ar"],
                                    "tau": stats[name].get("tau"), "prompt_lookup": stats[name].get("prompt_lookup")}
         r = report["systems"][name]
-        print(f"{name:16s} {r['tokens_per_s']:7.2f} tok/s ({min(tps):.2f}-{max(tps):.2f})  x ar "
+        print(f"{name:26s} {r['tokens_per_s']:7.2f} tok/s ({min(tps):.2f}-{max(tps):.2f})  x ar "
               f"{r['tokens_per_s'] / statistics.median([tokens / t for t in times['ar']]):.2f}  "
               f"tau {r['tau'] if r['tau'] is None else round(r['tau'], 3)}  same as ar: {r['same_output_as_ar']}")
     if a.json:
