@@ -9,8 +9,8 @@ the rows) assumes. This runs `--requests` greedy prompts through `--slots` slots
 backend and times, interleaved over `--runs` (after `--warmup` untimed passes), each system a fresh Runtime
 (adaptive policy) over the one backend; every output is checked against ar's. Systems (SYSTEMS):
 ar; retrace (the drafter alone: `--prompt-lookup off`); retrace-lookup (`on`); retrace-lookup-first (`first`,
-the runtime's default: up to 4 rows); retrace-lookup-first-rows1 (`first`, one-row rounds only, the default
-until 2026-12-06).
+the runtime's default: up to 4 rows); retrace-lookup-first-rowsN (`first` in rounds of up to N rows; N = 1 was
+the default until 2026-12-06).
 """
 
 from __future__ import annotations
@@ -32,8 +32,17 @@ SYSTEMS = {  # name -> (mode, RuntimeOptions.prompt_lookup, made fresh per run)
     "retrace": ("retrace", lambda: False),
     "retrace-lookup": ("retrace", lambda: True),
     "retrace-lookup-first": ("retrace", lambda: "first"),
-    "retrace-lookup-first-rows1": ("retrace", lambda: PromptLookup(first=True, max_rows=1)),
 }
+
+
+def system(name: str):
+    """-> (mode, a maker of RuntimeOptions.prompt_lookup) for a name of SYSTEMS or retrace-lookup-first-rowsN."""
+    if name in SYSTEMS:
+        return SYSTEMS[name]
+    rows = name.removeprefix("retrace-lookup-first-rows")
+    if rows != name and rows.isdigit() and int(rows) > 0:
+        return "retrace", lambda: PromptLookup(first=True, max_rows=int(rows))
+    raise SystemExit(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}, retrace-lookup-first-rowsN")
 
 
 def main() -> None:
@@ -46,17 +55,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1, help="untimed passes over every system first")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--systems", default="ar,retrace,retrace-lookup", help=f"comma list of {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default="ar,retrace,retrace-lookup", help=f"comma list of {', '.join(SYSTEMS)}, "
+                    "retrace-lookup-first-rowsN")
     ap.add_argument("--json")
     a = ap.parse_args()
     be = OnnxRuntimeBackend.from_bundle(a.engine, max_batch=a.slots, threads=a.threads)
     codec = TextCodec.find(Path(a.engine) / "tokenizer", a.engine)
     prompts = [p.ids for p in load_prompts([a.prompts], codec, limit=a.requests)]
     names = ["ar", *(n for n in a.systems.split(",") if n and n != "ar")]  # ar: the reference
-    unknown = [n for n in names if n not in SYSTEMS]
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
-    systems = {n: SYSTEMS[n] for n in names}
+    systems = {n: system(n) for n in names}
     params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
     times: dict[str, list[float]] = {n: [] for n in systems}
     outs, stats = {}, {}
