@@ -9,7 +9,7 @@ the rows) assumes. This runs `--requests` greedy prompts through `--slots` slots
 backend and times, interleaved over `--runs` (after `--warmup` untimed passes), each system a fresh Runtime
 (adaptive policy) over the one backend; every output is checked against ar's. Systems (SYSTEMS):
 ar; retrace (the drafter alone: `--prompt-lookup off`); retrace-lookup (`on`); retrace-lookup-first (`first`,
-the runtime's default: up to 4 rows); retrace-lookup-first-rowsN (`first` in rounds of up to N rows; N = 1 was
+the runtime's default: up to 8 rows); retrace-lookup-first-rowsN (`first` in rounds of up to N rows; N = 1 was
 the default until 2026-12-06).
 """
 

@@ -44,7 +44,7 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
         type=click.Choice(["off", "on", "first"]), is_flag=False, flag_value="on", default="first",
         show_default=True,
         help="verify drafts copied from the request's own prompt and output (n-gram lookup; greedy requests, "
-             "rounds of up to 4 rows; runtime/prompt_lookup.py): `on` in rounds without a drafter call, `first` also "
+             "rounds of up to 8 rows; runtime/prompt_lookup.py): `on` in rounds without a drafter call, `first` also "
              "instead of a draft call where the lookup is expected to commit faster "
              "(runtime/proposers/lookup_first.py), `off` never")),
     "device": ("device", "--device", dict(

@@ -37,7 +37,7 @@ def test_index_finds_the_most_recent_longest_match():
     drafts, lengths = lk.propose([none, sampling], 8)
     assert lengths.tolist() == [0, 0]  # no earlier occurrence; a sampling row takes none
     assert PromptLookup(max_rows=1).propose([r, none], 8)[1].tolist() == [0, 0]  # rounds of more rows: none
-    assert PromptLookup().max_rows == 4  # the default (docs/bench/prompt-lookup.md, 2026-12-06)
+    assert PromptLookup().max_rows == 8  # the default (docs/bench/prompt-lookup.md, 2026-12-06)
     lk.clear(0)
     assert 0 not in lk.index
     with pytest.raises(RetraceError, match="n-gram sizes"):

@@ -14,10 +14,11 @@ weighed by the rate of matches of its size) and the policy's verify cost curve t
 round verifies the K that maximises (N + sum over rows of a + ... + a^min(L_i, K)) / t(N, K + 1), L_i
 being row i's proposal length; K = 0 is a plain decoding step (a policy without a cost model verifies every
 proposal whole). Greedy rows only: a sampling row takes no lookup tokens (verified 0). Rounds of more
-than `max_rows` rows (default 4) take none. At the Qwen3-0.6B shape on 2 CPU cores, batch 4 through 4 slots
-(docs/bench/prompt-lookup.md, 2026-12-06): fp32 1.21x plain decoding with 4 rows against 1.16x with 1 (the
-drafter alone 1.10x); int4, where each verify row costs ~0.45 of a decode, the cost-aware K declines and
-both stay at 1.00-1.01x. (On 2026-12-01, with one pooled acceptance estimate, 4 rows lost: 0.92x.)
+than `max_rows` rows (default 8) take none. At the Qwen3-0.6B shape on 2 CPU cores (docs/bench/prompt-lookup.md,
+2026-12-06), fp32: 16 requests through 4 slots 1.21x plain decoding with lookup in rounds of up to 4 rows
+against 1.16x with 1 (the drafter alone 1.10x); 24 requests through 8 slots 1.14x with up to 8 rows against
+1.03x with 4. int4, where each verify row costs ~0.45 of a decode, the cost-aware K declines: 1.00-1.01x at
+batch 4 either way. (On 2026-12-01, with one pooled acceptance estimate, 4 rows lost: 0.92x.)
 
 `first=True`: lookup also before the drafter (runtime/proposers/lookup_first.py): a round whose lookup
 tokens are expected to commit faster than the drafter's recent rounds did (`best`'s rate over plain
@@ -63,7 +64,7 @@ class _Index:
 
 class PromptLookup:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 8, decay: float = 0.98,
-                 prior: tuple[float, float] = (1.0, 1.0), max_rows: int = 4, first: bool = False):
+                 prior: tuple[float, float] = (1.0, 1.0), max_rows: int = 8, first: bool = False):
         if not 1 <= min_ngram <= max_ngram:
             raise RetraceError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         if max_tokens < 1:
