@@ -11,7 +11,7 @@ import click  # noqa: E402
 
 from retrace.cli_checks import check_finite, check_seed, check_text  # noqa: E402
 from retrace.cli_errors import cli_errors  # noqa: E402
-from retrace.cli_options import build_runtime, runtime_flags, runtime_options  # noqa: E402
+from retrace.cli_options import LOOKUP, build_runtime, runtime_flags, runtime_options  # noqa: E402
 from retrace.errors import RetraceError  # noqa: E402
 from retrace.request_validation import MAX_PROMPT_CHARS  # noqa: E402
 
@@ -203,7 +203,7 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   profile_out=profile_out, readme_table=readme_table, markdown_out=markdown_out,
                   from_json=from_json, command=command_line(click.get_current_context()),
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
-                  tree_fixed=tree_fixed, prompt_lookup=prompt_lookup not in (None, "off"), weights=weights,
+                  tree_fixed=tree_fixed, prompt_lookup=bool(LOOKUP[prompt_lookup]), weights=weights,
                   device=device, dtype=dtype, compile_steps=compile_steps,
                   cuda_graphs=False if no_cuda_graphs else None, row_invariant=row_invariance is not False)
 
