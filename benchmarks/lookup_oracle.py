@@ -3,7 +3,8 @@ of the held-out prompts, then at every position the n-gram proposal `retrace.run
 and how many of its tokens the target would accept; rounds are replayed against a verify-cost curve t(T)
 (in decodes: T = 1 is a plain step) with
 
-  geo     PromptLookup's own estimate (decayed per-token acceptance per matched n-gram size, geometric in depth),
+  geo     PromptLookup's own choose / observe (decayed per-token acceptance per matched n-gram size, geometric
+          in depth),
   depth   a per-depth estimate (the decayed rate of accepting token j given j - 1 accepted, per n-gram size),
   oracle  the K that commits fastest knowing the accepted length (an upper bound for any K rule),
   full    every proposal verified whole.
@@ -27,18 +28,14 @@ CURVES = {
 }
 
 
-class Geometric:
-    def __init__(self, sizes, decay=0.98):
-        self.decay, self.c = decay, {n: [1.0, 1.0] for n in sizes}
+class Curve:
+    """A cost curve as the CostModel `PromptLookup.best` asks (one row: N = 1)."""
 
-    def gains(self, n, L):
-        h, m = self.c[n]
-        return [(h / (h + m)) ** j for j in range(1, L + 1)]
+    def __init__(self, t):
+        self.t = t
 
-    def observe(self, n, verified, accepted):
-        c = self.c[n]
-        c[0] = self.decay * c[0] + accepted
-        c[1] = self.decay * c[1] + (accepted < verified)
+    def verify(self, rows: int, tokens: int) -> float:
+        return self.t(tokens)
 
 
 class PerDepth:
@@ -61,11 +58,13 @@ class PerDepth:
 
 def replay(runs, rule, t, sizes, max_tokens) -> tuple[float, float, float]:
     """-> (speed over plain decoding, tokens per round, lookup tokens verified per round)."""
-    from retrace.runtime.prompt_lookup import _Index
+    from retrace.runtime.device import CPU, index_tensor
+    from retrace.runtime.prompt_lookup import PromptLookup, _Index
 
     tokens = cost = rounds = verified = 0.0
     for prompt, out in runs:
-        est = {"geo": lambda: Geometric(sizes), "depth": lambda: PerDepth(sizes, max_tokens)}.get(rule, lambda: None)()
+        lookup = PromptLookup(min_ngram=sizes.start, max_ngram=sizes.stop - 1, max_tokens=max_tokens)
+        est = PerDepth(sizes, max_tokens) if rule == "depth" else None
         idx = _Index(sizes)
         idx.extend(prompt)
         i = 0
@@ -79,6 +78,11 @@ def replay(runs, rule, t, sizes, max_tokens) -> tuple[float, float, float]:
                 K = acc if acc and (1 + acc) / t(acc + 1) > 1 / t(1) else 0
             elif rule == "full":
                 K = len(prop)
+            elif rule == "geo":  # the runtime's own choice and estimate
+                lookup._matched = [n if prop else 0]  # the matched size `propose` records for `best`
+                K = lookup.choose(index_tensor([len(prop)], CPU), Curve(t))
+                if K:
+                    lookup.observe([K], [min(acc, K)])
             else:
                 K, best, s = 0, 1 / t(1), 0.0
                 for k, g in enumerate(est.gains(n, len(prop)) if prop else [], 1):
