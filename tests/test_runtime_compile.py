@@ -71,12 +71,15 @@ def test_inductor_frozen_steps_are_token_exact(tmp_path):
     constants, runtime/compiled_step.py), plain decoding and retrace at batch 1 equal transformers' greedy, and
     a one-token decode runs as two identical rows (TwoRowDecode), never as a one-row graph. (Batch 2 traces
     the same step functions: the `eager`-compiler test above; each inductor graph costs ~15 s to build here.)"""
+    from torch._dynamo.utils import counters
+
     target, drafter = write_pair(tmp_path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48,
                                  block_size=4, conditioner="random", seed=5)
     prompts = [[5, 9, 2, 40, 41], [7, 3]]
     hf = load_hf_target(target)
     want = [hf_greedy(hf, p, 10) for p in prompts]
     torch._dynamo.reset()
+    counters.clear()
     rt = Runtime.from_dirs(target, drafter, max_batch=2, max_seq_len=64, verify_policy="fixed", compile=True)
     be = rt.backend
     assert be.target_step.freeze and be.draft_step.freeze
@@ -88,6 +91,8 @@ def test_inductor_frozen_steps_are_token_exact(tmp_path):
             assert got == expected, (mode, prompt)
     assert (1, 2) in widths and (1, 1) not in widths
     assert not be.target_step.fallback and not be.draft_step.fallback
+    aot = counters["aot_autograd"]  # every compile done on its first trace: no float specialised by a restart
+    assert aot["total"] == aot["ok"], dict(aot)
 
 
 def test_sizes_equal_by_chance_do_not_recompile(tmp_path):

@@ -68,14 +68,17 @@ class CompiledStep:
         # plain attribute swap, ~6 us; `config.patch` costs ~20 us per call here). freezing: see above. No duck
         # sizing: dynamo would otherwise tie sizes that are equal by chance at the first compile (a verify
         # width of 8 and Qwen3's 8 K/V heads, a 128-column window and the head dimension) and recompile when
-        # they part
-        cfg, fx = torch._inductor.config, torch.fx.experimental._config
-        old = cfg.freezing, fx.use_duck_shape
-        cfg.freezing, fx.use_duck_shape = self.freeze or old[0], False
+        # they part. Floats specialised: under dynamic=True every float attribute the steps read (each RMSNorm's
+        # eps, the embedding's norm_type) became a symbol that inductor's scalar pass then specialised anyway by
+        # restarting the whole trace: two traces and a half-finished compile per step, ~9 s of a ~20 s first
+        # compile at the test's shape (they are model constants; no step takes a float that varies)
+        cfg, fx, dyn = torch._inductor.config, torch.fx.experimental._config, torch._dynamo.config
+        old = cfg.freezing, fx.use_duck_shape, dyn.specialize_float
+        cfg.freezing, fx.use_duck_shape, dyn.specialize_float = self.freeze or old[0], False, True
         try:
             return self.compiled(*self.bound, *args, **self.bound_kw, **kwargs)
         finally:
-            cfg.freezing, fx.use_duck_shape = old
+            cfg.freezing, fx.use_duck_shape, dyn.specialize_float = old
 
     def _same_kinds(self, args: tuple) -> tuple:
         """args with each tensor (top level, or in a tuple or list argument) of the kind it had at the first
