@@ -70,8 +70,9 @@ class CompiledStep:
         # width of 8 and Qwen3's 8 K/V heads, a 128-column window and the head dimension) and recompile when
         # they part. Floats specialised: under dynamic=True every float attribute the steps read (each RMSNorm's
         # eps, the embedding's norm_type) became a symbol that inductor's scalar pass then specialised anyway by
-        # restarting the whole trace: two traces and a half-finished compile per step, ~9 s of a ~20 s first
-        # compile at the test's shape (they are model constants; no step takes a float that varies)
+        # restarting the whole trace: two traces and a half-finished compile per step, ~10 s of a ~78 s first
+        # compile at the test's pair (docs/static-cache.md; they are model constants, no step takes a float
+        # that varies)
         cfg, fx, dyn = torch._inductor.config, torch.fx.experimental._config, torch._dynamo.config
         old = cfg.freezing, fx.use_duck_shape, dyn.specialize_float
         cfg.freezing, fx.use_duck_shape, dyn.specialize_float = self.freeze or old[0], False, True

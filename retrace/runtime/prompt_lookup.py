@@ -17,8 +17,9 @@ proposal whole). Greedy rows only: a sampling row takes no lookup tokens (verifi
 than `max_rows` rows (default 8) take none. At the Qwen3-0.6B shape on 2 CPU cores (docs/bench/prompt-lookup.md,
 2026-12-06), fp32: 16 requests through 4 slots 1.21x plain decoding with lookup in rounds of up to 4 rows
 against 1.16x with 1 (the drafter alone 1.10x); 24 requests through 8 slots 1.14x with up to 8 rows against
-1.03x with 4. int4, where each verify row costs ~0.45 of a decode, the cost-aware K declines: 1.00-1.01x at
-batch 4 either way. (On 2026-12-01, with one pooled acceptance estimate, 4 rows lost: 0.92x.)
+1.03x with 4 (one cold run; two warm runs of the 8-row default, 2026-12-07: 1.09x). int4, where each verify row
+costs ~0.45 of a decode, the cost-aware K declines: 1.00-1.01x at batch 4 either way, 1.03x at batch 8 (warm).
+(On 2026-12-01, with one pooled acceptance estimate, 4 rows lost: 0.92x.)
 
 `first=True`: lookup also before the drafter (runtime/proposers/lookup_first.py): a round whose lookup
 tokens are expected to commit faster than the drafter's recent rounds did (`best`'s rate over plain
