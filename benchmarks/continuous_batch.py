@@ -9,7 +9,8 @@ the rows) assumes. This runs `--requests` greedy prompts through `--slots` slots
 backend and times, interleaved over `--runs` (after `--warmup` untimed passes), each system a fresh Runtime
 (adaptive policy) over the one backend; every output is checked against ar's. Systems (SYSTEMS):
 ar; retrace (the drafter alone: `--prompt-lookup off`); retrace-lookup (`on`); retrace-lookup-first (`first`,
-the runtime's default: up to 8 rows); retrace-lookup-first-rowsN (`first` in rounds of up to N rows; N = 1 was
+the runtime's default: up to 8 rows, each n-gram size weighed by a draw from its acceptance posterior);
+retrace-lookup-first-mean (the same weighed by the posterior's mean, the rule until 2026-12-07); retrace-lookup-first-rowsN (`first` in rounds of up to N rows; N = 1 was
 the default until 2026-12-06).
 """
 
@@ -32,6 +33,7 @@ SYSTEMS = {  # name -> (mode, RuntimeOptions.prompt_lookup, made fresh per run)
     "retrace": ("retrace", lambda: False),
     "retrace-lookup": ("retrace", lambda: True),
     "retrace-lookup-first": ("retrace", lambda: "first"),
+    "retrace-lookup-first-mean": ("retrace", lambda: PromptLookup(first=True, explore=False)),
 }
 
 

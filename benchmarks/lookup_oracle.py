@@ -4,13 +4,18 @@ and how many of its tokens the target would accept; rounds are replayed against 
 (in decodes: T = 1 is a plain step) with
 
   geo     PromptLookup's own choose / observe (decayed per-token acceptance per matched n-gram size, geometric
-          in depth),
+          in depth), each size weighed by its estimate's mean,
+  draw    the same with each size weighed by a draw from its Beta posterior (`explore=True`, the default:
+          a size priced out by its mean is still tried now and then, and its estimate corrected),
   depth   a per-depth estimate (the decayed rate of accepting token j given j - 1 accepted, per n-gram size),
   oracle  the K that commits fastest knowing the accepted length (an upper bound for any K rule),
   full    every proposal verified whole.
 
     python benchmarks/lookup_oracle.py --target ZOO/target --prompts ZOO/prompts [--limit 128] [--new 96]
-        [--ngram 1,3] [--max-tokens 15]
+        [--ngram 1,3] [--max-tokens 15] [--rows 1,8]
+
+`--rows N`: N prompts decoded together in lockstep (a batch of N rows: one K per round for all of them, as the
+runtime chooses it; rows leave as they finish); the curves then price a call by its N x T rows.
 
 Curves: `int4-avx2` (a verify of two rows costs a decode, each row past two 0.45 more: docs/quantization.md
 "The verify rows' cost on AVX2"), `fp32` (0.06 per row), `mid` (0.2 per row). Prints tokens per unit of cost
@@ -29,13 +34,13 @@ CURVES = {
 
 
 class Curve:
-    """A cost curve as the CostModel `PromptLookup.best` asks (one row: N = 1)."""
+    """A cost curve as the CostModel `PromptLookup.best` asks: a call of rows x tokens costs t(rows x tokens)."""
 
     def __init__(self, t):
         self.t = t
 
     def verify(self, rows: int, tokens: int) -> float:
-        return self.t(tokens)
+        return self.t(rows * tokens)
 
 
 class PerDepth:
@@ -63,7 +68,7 @@ def replay(runs, rule, t, sizes, max_tokens) -> tuple[float, float, float]:
 
     tokens = cost = rounds = verified = 0.0
     for prompt, out in runs:
-        lookup = PromptLookup(min_ngram=sizes.start, max_ngram=sizes.stop - 1, max_tokens=max_tokens)
+        lookup = PromptLookup(min_ngram=sizes.start, max_ngram=sizes.stop - 1, max_tokens=max_tokens, explore=False)
         est = PerDepth(sizes, max_tokens) if rule == "depth" else None
         idx = _Index(sizes)
         idx.extend(prompt)
@@ -98,6 +103,55 @@ def replay(runs, rule, t, sizes, max_tokens) -> tuple[float, float, float]:
     return tokens / cost, tokens / rounds, verified / rounds
 
 
+def replay_rows(runs, rows, rule, t, sizes, max_tokens) -> tuple[float, float, float]:
+    """`replay` for groups of `rows` prompts decoded together (rules geo, draw, full, oracle): -> (speed over plain
+    decoding of the same groups, tokens per row-round, lookup tokens verified per row-round)."""
+    from retrace.runtime.device import CPU, index_tensor
+    from retrace.runtime.prompt_lookup import PromptLookup, _Index
+
+    tokens = cost = plain = row_rounds = verified = 0.0
+    lookup = PromptLookup(min_ngram=sizes.start, max_ngram=sizes.stop - 1, max_tokens=max_tokens,
+                          max_rows=rows, explore=rule == "draw")
+    for g in range(0, len(runs), rows):
+        group = runs[g:g + rows]
+        idx = [_Index(sizes) for _ in group]
+        for i, (prompt, _) in enumerate(group):
+            idx[i].extend(prompt)
+        at = [0] * len(group)
+        plain += max(len(out) for _, out in group) * t(len(group))
+        while True:
+            live = [i for i, (_, out) in enumerate(group) if at[i] < len(out)]
+            if not live:
+                break
+            props, accs, matched = [], [], []
+            for i in live:
+                out = group[i][1]
+                prop = idx[i].find(max_tokens)[: len(out) - at[i] - 1]
+                acc = 0
+                while acc < len(prop) and prop[acc] == out[at[i] + acc]:
+                    acc += 1
+                props.append(prop), accs.append(acc), matched.append(idx[i].matched if prop else 0)
+            if rule == "full":
+                K = max(map(len, props))
+            elif rule == "oracle":  # the K that commits fastest this round, knowing every row's accepted length
+                n = len(live)
+                K = max(range(max(map(len, props)) + 1),
+                        key=lambda k: (n + sum(min(a, k) for a in accs)) / t(n * (k + 1)))
+            else:
+                lookup._matched = matched
+                K = lookup.choose(index_tensor([len(p) for p in props], CPU), Curve(t))
+                if K:
+                    ver = [min(len(p), K) for p in props]
+                    lookup.observe(ver, [min(a, v) for a, v in zip(accs, ver, strict=True)])
+            for i, p, a in zip(live, props, accs, strict=True):
+                c = min(a, K, len(p)) + 1
+                idx[i].extend(group[i][1][at[i]: at[i] + c])
+                at[i] += c
+                tokens, verified = tokens + c, verified + min(len(p), K)
+            cost, row_rounds = cost + t(len(live) * (K + 1)), row_rounds + len(live)
+    return (tokens / cost) / (sum(len(out) for _, out in runs) / plain), tokens / row_rounds, verified / row_rounds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", required=True)
@@ -106,6 +160,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--ngram", default="1,3", help="min,max n-gram size")
     ap.add_argument("--max-tokens", type=int, default=15)
+    ap.add_argument("--rows", default="1", help="comma-separated batch sizes to replay (1: the one-row rules too)")
     a = ap.parse_args()
 
     import torch
@@ -125,10 +180,13 @@ def main() -> None:
     lo, hi = (int(x) for x in a.ngram.split(","))
     sizes = range(lo, hi + 1)
     print(f"{len(runs)} prompts x {a.new} tokens, n-grams {lo}..{hi}, up to {a.max_tokens} lookup tokens")
-    for name, t in CURVES.items():
-        for rule in ("geo", "depth", "oracle", "full"):
-            speed, tau, k = replay(runs, rule, t, sizes, a.max_tokens)
-            print(f"{name:10s} {rule:7s} x plain decoding {speed:.3f}  tau {tau:.2f}  lookup tokens/round {k:.2f}")
+    for rows in (int(r) for r in a.rows.split(",")):
+        for name, t in CURVES.items():
+            for rule in ("geo", "draw", "full", "oracle") + (("depth",) if rows == 1 else ()):
+                speed, tau, k = (replay(runs, rule, t, sizes, a.max_tokens) if rule == "depth"
+                                 else replay_rows(runs, rows, rule, t, sizes, a.max_tokens))
+                print(f"rows {rows} {name:10s} {rule:7s} x plain decoding {speed:.3f}  tau {tau:.2f}  "
+                      f"lookup tokens/round {k:.2f}")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,33 @@ def test_acceptance_is_kept_per_matched_ngram_size():
     assert lk.to_dict()["accept_rate_by_ngram"][3] > 0.9
 
 
+def test_a_size_priced_out_by_its_mean_is_still_tried_and_corrected():
+    """8 rows whose 3-token matches are always accepted, a verify where each row's extra token costs 0.6 of a
+    decode: at the prior's mean (0.5) a lookup token never pays, so a lookup weighed by the mean never verifies
+    one and never learns otherwise. Weighed by a draw from its posterior it tries, learns the size's real rate and
+    then takes nearly every round; the draws come from its own seeded generator (the same choices every run)."""
+    reqs = [_Req([4, 5, 6, 7, 8, 4, 5, 6], slot=i) for i in range(8)]
+    cost = LinearCost(0.6, 1.0)
+
+    def run(lk):
+        ks = []
+        for _ in range(60):
+            _, lengths = lk.propose(reqs, 8)
+            k = lk.choose(lengths, cost)
+            if k:
+                verified = [min(n, k) for n in lengths.tolist()]
+                lk.observe(verified, verified)  # every lookup token accepted
+            ks.append(k)
+        return ks
+
+    assert run(PromptLookup(max_rows=8, explore=False)) == [0] * 60
+    explored = PromptLookup(max_rows=8)
+    ks = run(explored)
+    assert explored.rounds > 0 and explored.size_rate(3) > 0.9
+    assert sum(k > 0 for k in ks[30:]) >= 28  # once corrected, it keeps verifying
+    assert run(PromptLookup(max_rows=8)) == ks
+
+
 def _never_drafts(block_size):
     """Drafting never pays (a draft costs 50 verifies): after the first probe round the drafter sits out."""
     return AdaptivePolicy(block_size, LinearCost(0.1, 50.0), learn_cost=False)
@@ -135,7 +162,7 @@ def test_lookup_first_takes_the_rounds_it_is_expected_to_commit_faster_in():
     from retrace.runtime.proposers import LookupFirstPlan, LookupProposer, RoundBatch
 
     drafter = object()
-    lookup = LookupProposer(PromptLookup(), LinearCost(0.1, 1.0), 8)
+    lookup = LookupProposer(PromptLookup(explore=False), LinearCost(0.1, 1.0), 8)  # weighed by the mean: 0.5
     hit = RoundBatch.of([SimpleNamespace(**vars(_Req([5, 1, 2, 3, 9, 1, 2])), mode="retrace", anchor=2,
                                          anchor_pos=6)], torch.device("cpu"))
     miss = RoundBatch.of([SimpleNamespace(**vars(_Req([1, 2, 3, 4], slot=1)), mode="retrace", anchor=4, anchor_pos=3)],

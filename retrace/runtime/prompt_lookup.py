@@ -10,7 +10,8 @@ for the drafter's tokens, so the output stays the target's own.
 
 How many lookup tokens a round verifies is cost-aware (`choose`): with a per-token acceptance estimate
 `a` (decayed hit/miss counts of earlier lookup rounds, kept per matched n-gram size: a row's proposal is
-weighed by the rate of matches of its size) and the policy's verify cost curve t(T), the
+weighed by the rate of matches of its size; with `explore`, the default, by a draw from that size's
+Beta(hits, misses) posterior, Thompson sampling, instead of its mean) and the policy's verify cost curve t(T), the
 round verifies the K that maximises (N + sum over rows of a + ... + a^min(L_i, K)) / t(N, K + 1), L_i
 being row i's proposal length; K = 0 is a plain decoding step (a policy without a cost model verifies every
 proposal whole). Greedy rows only: a sampling row takes no lookup tokens (verified 0). Rounds of more
@@ -21,12 +22,22 @@ against 1.16x with 1 (the drafter alone 1.10x); 24 requests through 8 slots 1.14
 costs ~0.45 of a decode, the cost-aware K declines: 1.00-1.01x at batch 4 either way, 1.03x at batch 8 (warm).
 (On 2026-12-01, with one pooled acceptance estimate, 4 rows lost: 0.92x.)
 
+Why draws: only rounds that verify lookup tokens update the estimate, so a size whose mean says "does not pay"
+was never tried again, however wrong the mean (at int4, batch 8, the 0.5 prior priced every lookup out and the
+lookup made no round in a whole run). A draw from a wide posterior is sometimes high enough to try; once tried
+the posterior narrows round by round, and a size that really does not pay is then drawn high rarely. In the
+replay of benchmarks/lookup_oracle.py (128 held-out prompts x 96, --rows 1,4,8) this changes nothing where the
+mean already found the lookup's rounds (int4 and fp32 curves, within 0.5%) and finds them where it did not (a
+verify row at 0.2 of a decode: 1.00x -> 1.09x plain decoding at 4 rows, oracle 1.16x).
+
 `first=True`: lookup also before the drafter (runtime/proposers/lookup_first.py): a round whose lookup
 tokens are expected to commit faster than the drafter's recent rounds did (`best`'s rate over plain
 decoding against the verify policy's `drafting_gain`) verifies them and skips the draft call.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -65,7 +76,8 @@ class _Index:
 
 class PromptLookup:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_tokens: int = 8, decay: float = 0.98,
-                 prior: tuple[float, float] = (1.0, 1.0), max_rows: int = 8, first: bool = False):
+                 prior: tuple[float, float] = (1.0, 1.0), max_rows: int = 8, first: bool = False,
+                 explore: bool = True, seed: int = 0):
         if not 1 <= min_ngram <= max_ngram:
             raise RetraceError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         if max_tokens < 1:
@@ -80,6 +92,8 @@ class PromptLookup:
         #   is the likelier continuation): what `best` weighs each row's proposal by
         self._matched: list[int] = []  # the matched size per row of the last `propose` (0: no proposal)
         self.index: dict[int, _Index] = {}  # slot -> the request's tokens so far
+        self.explore = explore  # weigh each size by a draw from its Beta(hits, misses) posterior, not its mean
+        self.rng = random.Random(seed)  # the draws' own generator: the same choices in every run of a process
         self.rounds = self.verified = self.accepted = 0
 
     @property
@@ -136,7 +150,9 @@ class PromptLookup:
             return L, None if cost is None else 1.0
         N = len(lengths)
         sizes = self._matched if len(self._matched) == N else [0] * N  # lengths not from `propose`: pooled
-        a = [self.size_rate(m) if m else self.accept_rate for m in sizes]
+        draws = {m: self.rng.betavariate(*self.by_size[m]) if self.explore else self.size_rate(m)
+                for m in sorted(set(sizes) - {0})}  # one draw per size and round, shared by its rows
+        a = [draws[m] if m else self.accept_rate for m in sizes]
         best, plain = 0, N / cost.verify(N, 1)
         best_rate = plain
         for k in range(1, L + 1):
