@@ -50,6 +50,38 @@ def test_cost_model_does_not_learn_a_shape_s_first_call():
     assert cm.verify(4, 3) == pytest.approx(0.3)
 
 
+def test_one_slow_round_does_not_price_a_width_out_for_good():
+    """A verify bucket seeded by one slow round (another process, a page fault) was priced high for good: a
+    width priced out is never called again. Until 3 rounds timed it, it is priced at the lowest of its timings
+    and what the row count's other widths say for it, then seeded with the median of the three; a width that
+    really costs more is confirmed as such. Warm (probed) timings count at once."""
+    cm = CostModel()
+    for t in (1, 2, 4):
+        cm.observe_verify(1, t, 1.0 + 0.1 * (t - 1), warm=True)
+    cm.observe_verify(1, 3, 9.0)  # the shape's first call: not learned
+    cm.observe_verify(1, 3, 5.0)  # a slow round seeds it
+    assert cm.verify(1, 3) == pytest.approx(1.2)  # what widths 2 and 4 say
+    cm.observe_verify(1, 3, 1.25)
+    assert cm.verify(1, 3) == pytest.approx(1.2)
+    cm.observe_verify(1, 3, 1.22)
+    assert cm.verify(1, 3) == pytest.approx(1.25)  # confirmed: the median of 5.0, 1.25, 1.22
+    cm.observe_verify(1, 3, 1.2)
+    assert cm.verify(1, 3) == pytest.approx(1.25 + 0.2 * (1.2 - 1.25))  # then the EMA
+    for s in (0.0, 3.0, 3.2, 2.9):  # a width that does cost more (its first call not learned)
+        cm.observe_verify(1, 8, s)
+    assert cm.verify(1, 8) == pytest.approx(3.0)
+    cm.observe_verify(2, 1, 2.0)
+    cm.observe_verify(2, 1, 2.5)  # nothing else timed at 2 rows: its own timing
+    assert cm.verify(2, 1) == pytest.approx(2.5)
+    cm.observe_verify(2, 4, 9.0, warm=True)
+    assert cm.verify(2, 4) == pytest.approx(9.0)  # warm: trusted at once
+    one = CostModel(confirm=1)  # the rule before: one timing seeds the bucket
+    one.observe_verify(1, 1, 1.0, warm=True)
+    for s in (9.0, 5.0):
+        one.observe_verify(1, 3, s)
+    assert one.verify(1, 3) == pytest.approx(5.0)
+
+
 def test_cost_model_draft_prior_scales_with_the_block_width():
     """Nothing drafted timed yet: `draft_rel` of a one-token verify is the whole block's draft; a narrower
     block's prior is scaled by (DRAFT_WIDTH_BASE + width) as timed widths are."""

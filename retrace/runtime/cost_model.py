@@ -12,6 +12,12 @@ first call at a new shape pays one-off costs (ONNX Runtime's memory planning, an
 capture). At the Qwen3-0.6B shape, fp32, batch 4, the first 2-token verify took 278 ms and the later ones 222;
 kept as an EMA's seed it priced that verify 20% high for dozens of rounds, and a bucket priced out is never
 called again to correct it. `observe_*(..., warm=True)`: a call whose shape ran before (`probe` warms up).
+A verify bucket is provisional until `confirm` (3) rounds timed it: it is priced at the lowest of its own
+timings and what the other buckets of its row count say for it (the interpolation above, without it), and
+then seeded with the median of those timings. With a single timing as its seed, one slow round (another
+process, a page fault, a collection) priced a width high for good: a bucket priced out is never called again,
+so nothing corrected it. A width that really costs more is tried at most `confirm` times. Warm timings
+(`probe`) are trusted at once.
 The timings come from the loop's stopwatch (runtime/stopwatch.py): host timers on the CPU, CUDA events on
 CUDA, so the costs stay the device's once the round runs asynchronously.
 """
@@ -32,7 +38,7 @@ DRAFT_WIDTH_BASE = 8
 
 class CostModel:
     def __init__(self, rel_slope: float = 0.06, draft_rel: float = 0.5, alpha: float = 0.2,
-                 base_s: float = 1e-3, min_rel_slope: float = 0.01, block_size: int = 16):
+                 base_s: float = 1e-3, min_rel_slope: float = 0.01, block_size: int = 16, confirm: int = 3):
         self.rel_slope = rel_slope  # prior: extra verify cost per added token and row, relative to T=1
         # floor of a measured slope: timing noise can make a longer verify look free, and then every
         # hopeless draft would be verified "for nothing"
@@ -44,10 +50,26 @@ class CostModel:
         self.verify_s: dict[int, dict[int, float]] = {}  # rows -> tokens -> EMA seconds
         self.draft_s: dict[int, dict[int, float]] = {}  # rows -> draft slots S (0: not said) -> EMA seconds
         self._called: set[tuple[str, int, int]] = set()  # buckets whose first call was seen (and not learned)
+        if confirm < 1:
+            raise ValueError(f"confirm: timings that confirm a verify bucket, >= 1 (got {confirm})")
+        self.confirm = confirm
+        self._provisional: dict[tuple[int, int], list[float]] = {}  # (rows, tokens) -> its timings, until confirmed
 
     # -- measurements ----------------------------------------------------------------------------------
     def observe_verify(self, rows: int, tokens: int, seconds: float, warm: bool = False) -> None:
-        self._learn(self.verify_s, ("verify", rows, tokens), seconds, warm)
+        bucket, key = ("verify", rows, tokens), (rows, tokens)
+        confirmed = tokens in self.verify_s.get(rows, {}) and key not in self._provisional
+        if warm or confirmed or bucket not in self._called:  # trusted, an EMA already, or a first call
+            if warm:
+                self._provisional.pop(key, None)
+            self._learn(self.verify_s, bucket, seconds, warm)
+            return
+        times = self._provisional.setdefault(key, [])  # a bucket's first timings (see the module docstring)
+        times.append(seconds)
+        confirmed = len(times) >= self.confirm
+        self.verify_s.setdefault(rows, {})[tokens] = sorted(times)[len(times) // 2] if confirmed else min(times)
+        if confirmed:
+            del self._provisional[key]
 
     def observe_draft(self, rows: int, seconds: float, slots: int = 0, warm: bool = False) -> None:
         """A draft call of `slots` draft slots (the block [anchor, MASK x slots]; 0: a width not said)."""
@@ -64,21 +86,27 @@ class CostModel:
         table[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
     # -- predictions -----------------------------------------------------------------------------------
-    def _table(self, rows: int) -> dict[int, float] | None:
-        """Measured verifies of this row count, else of the nearest measured one."""
-        if rows in self.verify_s:
-            return self.verify_s[rows]
-        if not self.verify_s:
-            return None
-        return self.verify_s[min(self.verify_s, key=lambda n: (abs(n - rows), n))]
+    def _table_rows(self, rows: int) -> int | None:
+        """The row count whose measured verifies stand for this one: itself, else the nearest measured."""
+        if rows in self.verify_s or not self.verify_s:
+            return rows if rows in self.verify_s else None
+        return min(self.verify_s, key=lambda n: (abs(n - rows), n))
 
     def verify(self, rows: int, tokens: int) -> float:
+        src = self._table_rows(rows)
+        table = None if src is None else self.verify_s[src]
+        if table and tokens in table:
+            if (src, tokens) not in self._provisional:
+                return table[tokens]
+            others = {t: v for t, v in table.items() if t != tokens}  # none: nothing else to judge it by
+            return min(table[tokens], self._read(others, rows, tokens)) if others else table[tokens]
+        return self._read(table, rows, tokens)
+
+    def _read(self, table: dict[int, float] | None, rows: int, tokens: int) -> float:
+        """`tokens` read off the measured token counts of `table` (not among them), or the prior."""
         rel = self.rel_slope * rows
-        table = self._table(rows)
         if not table:
             return self.base_s * (1 + rel * (tokens - 1))
-        if tokens in table:
-            return table[tokens]
         ts = sorted(table)
         i = bisect_left(ts, tokens)
         if 0 < i < len(ts):  # between two measured token counts
