@@ -10,8 +10,8 @@ backend and times, interleaved over `--runs` (after `--warmup` untimed passes), 
 (adaptive policy) over the one backend; every output is checked against ar's. Systems (SYSTEMS):
 ar; retrace (the drafter alone: `--prompt-lookup off`); retrace-lookup (`on`); retrace-lookup-first (`first`,
 the runtime's default: up to 8 rows, each n-gram size weighed by a draw from its acceptance posterior);
-retrace-lookup-first-mean (the same weighed by the posterior's mean, the rule until 2026-12-07); retrace-lookup-first-rowsN (`first` in rounds of up to N rows; N = 1 was
-the default until 2026-12-06).
+retrace-lookup-first-mean (the same weighed by the posterior's mean, the rule until 2026-12-07);
+retrace-lookup-first-rowsN (`first` in rounds of up to N rows; N = 1 was the default until 2026-12-06).
 """
 
 from __future__ import annotations
