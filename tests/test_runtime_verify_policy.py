@@ -75,6 +75,12 @@ def test_one_slow_round_does_not_price_a_width_out_for_good():
     assert cm.verify(2, 1) == pytest.approx(2.5)
     cm.observe_verify(2, 4, 9.0, warm=True)
     assert cm.verify(2, 4) == pytest.approx(9.0)  # warm: trusted at once
+    for s in (0.0, 0.45, 0.3, 0.31, 0.32):  # draft widths too: 15 slots timed (confirmed), 7 seeded slow
+        cm.observe_draft(1, s, 15)
+    assert cm.draft(1, 15) == pytest.approx(0.31 + 0.2 * (0.32 - 0.31))
+    for s in (0.0, 5.0):
+        cm.observe_draft(1, s, 7)
+    assert cm.draft(1, 7) == pytest.approx(cm.draft(1, 15) * cm._width_scale(7, 15))  # 15's, scaled
     one = CostModel(confirm=1)  # the rule before: one timing seeds the bucket
     one.observe_verify(1, 1, 1.0, warm=True)
     for s in (9.0, 5.0):

@@ -12,12 +12,12 @@ first call at a new shape pays one-off costs (ONNX Runtime's memory planning, an
 capture). At the Qwen3-0.6B shape, fp32, batch 4, the first 2-token verify took 278 ms and the later ones 222;
 kept as an EMA's seed it priced that verify 20% high for dozens of rounds, and a bucket priced out is never
 called again to correct it. `observe_*(..., warm=True)`: a call whose shape ran before (`probe` warms up).
-A verify bucket is provisional until `confirm` (3) rounds timed it: it is priced at the lowest of its own
-timings and what the other buckets of its row count say for it (the interpolation above, without it), and
-then seeded with the median of those timings. With a single timing as its seed, one slow round (another
-process, a page fault, a collection) priced a width high for good: a bucket priced out is never called again,
-so nothing corrected it. A width that really costs more is tried at most `confirm` times. Warm timings
-(`probe`) are trusted at once.
+A bucket (verify or draft) is provisional until `confirm` (3) rounds timed it: it is priced at the lowest of
+its own timings and what the other buckets of its row count say for it (the interpolation above, without it;
+for a draft width, the nearest other width scaled), and then seeded with the median of those timings. With a
+single timing as its seed, one slow round (another process, a page fault, a collection) priced a width high
+for good: a bucket priced out is never called again, so nothing corrected it. A width that really costs
+more is tried at most `confirm` times. Warm timings (`probe`) are trusted at once.
 The timings come from the loop's stopwatch (runtime/stopwatch.py): host timers on the CPU, CUDA events on
 CUDA, so the costs stay the device's once the round runs asynchronously.
 """
@@ -51,25 +51,13 @@ class CostModel:
         self.draft_s: dict[int, dict[int, float]] = {}  # rows -> draft slots S (0: not said) -> EMA seconds
         self._called: set[tuple[str, int, int]] = set()  # buckets whose first call was seen (and not learned)
         if confirm < 1:
-            raise ValueError(f"confirm: timings that confirm a verify bucket, >= 1 (got {confirm})")
+            raise ValueError(f"confirm: timings that confirm a bucket, >= 1 (got {confirm})")
         self.confirm = confirm
-        self._provisional: dict[tuple[int, int], list[float]] = {}  # (rows, tokens) -> its timings, until confirmed
+        self._provisional: dict[tuple[str, int, int], list[float]] = {}  # bucket -> its timings, until confirmed
 
     # -- measurements ----------------------------------------------------------------------------------
     def observe_verify(self, rows: int, tokens: int, seconds: float, warm: bool = False) -> None:
-        bucket, key = ("verify", rows, tokens), (rows, tokens)
-        confirmed = tokens in self.verify_s.get(rows, {}) and key not in self._provisional
-        if warm or confirmed or bucket not in self._called:  # trusted, an EMA already, or a first call
-            if warm:
-                self._provisional.pop(key, None)
-            self._learn(self.verify_s, bucket, seconds, warm)
-            return
-        times = self._provisional.setdefault(key, [])  # a bucket's first timings (see the module docstring)
-        times.append(seconds)
-        confirmed = len(times) >= self.confirm
-        self.verify_s.setdefault(rows, {})[tokens] = sorted(times)[len(times) // 2] if confirmed else min(times)
-        if confirmed:
-            del self._provisional[key]
+        self._learn(self.verify_s, ("verify", rows, tokens), seconds, warm)
 
     def observe_draft(self, rows: int, seconds: float, slots: int = 0, warm: bool = False) -> None:
         """A draft call of `slots` draft slots (the block [anchor, MASK x slots]; 0: a width not said)."""
@@ -77,11 +65,22 @@ class CostModel:
 
     def _learn(self, tables: dict[int, dict[int, float]], bucket: tuple[str, int, int], seconds: float,
                warm: bool) -> None:
-        if not warm and bucket not in self._called:  # a shape's first call: one-off costs
+        if warm:
+            self._provisional.pop(bucket, None)
+        elif bucket not in self._called:  # a shape's first call: one-off costs
             self._called.add(bucket)
             return
         _, rows, key = bucket
         table = tables.setdefault(rows, {})
+        times = self._provisional.get(bucket)
+        if not warm and (times is not None or key not in table):  # its first timings (see the module docstring)
+            times = self._provisional.setdefault(bucket, [])
+            times.append(seconds)
+            confirmed = len(times) >= self.confirm
+            table[key] = sorted(times)[len(times) // 2] if confirmed else min(times)
+            if confirmed:
+                del self._provisional[bucket]
+            return
         old = table.get(key)
         table[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
@@ -96,7 +95,7 @@ class CostModel:
         src = self._table_rows(rows)
         table = None if src is None else self.verify_s[src]
         if table and tokens in table:
-            if (src, tokens) not in self._provisional:
+            if ("verify", src, tokens) not in self._provisional:
                 return table[tokens]
             others = {t: v for t, v in table.items() if t != tokens}  # none: nothing else to judge it by
             return min(table[tokens], self._read(others, rows, tokens)) if others else table[tokens]
@@ -134,8 +133,15 @@ class CostModel:
                 return self.draft(near, slots) * self.verify(rows, 1) / self.verify(near, 1)
             return self.draft_rel * self.verify(rows, 1) * self._width_scale(slots, self.block_size - 1)
         table = self.draft_s[rows]
-        if slots in table:
+        if slots not in table:
+            return self._draft_read(table, slots)
+        others = {s: v for s, v in table.items() if s != slots}  # none: nothing else to judge it by
+        if ("draft", rows, slots) not in self._provisional or not others:
             return table[slots]
+        return min(table[slots], self._draft_read(others, slots))
+
+    def _draft_read(self, table: dict[int, float], slots: int) -> float:
+        """A width not in `table` (one row count's timed widths) read off the nearest timed one."""
         have = max(table) if not slots else min(table, key=lambda s: (abs(s - slots), -s))
         if not slots or not have:
             return table[have]
