@@ -198,7 +198,7 @@ def test_greedy_with_lookup_first_is_the_targets_own_decode(pair, mode):
         res = rt.generate(batch, SamplingParams(max_new_tokens=48), mode)
         assert [r.token_ids for r in res] == greedy[: len(batch)]
     assert (plan.lookup, True) in picks and (plan.drafter, True) in picks, picks
-    assert rt.run_stats()["prompt_lookup"]["first"] is True
+    assert rt.run_stats()["prompt_lookup"]["first"] is True and rt.run_stats()["prompt_lookup"]["explore"] is True
 
 
 def _recording(plan) -> list:

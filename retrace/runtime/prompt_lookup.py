@@ -186,7 +186,7 @@ class PromptLookup:
 
     def to_dict(self) -> dict:
         return {"ngram": [self.sizes.start, self.sizes.stop - 1], "max_tokens": self.max_tokens,
-                "max_rows": self.max_rows, "first": self.first,
+                "max_rows": self.max_rows, "first": self.first, "explore": self.explore,
                 "rounds": self.rounds, "verified": self.verified, "accepted": self.accepted,
                 "accept_rate_estimate": round(self.accept_rate, 4),
                 "accept_rate_by_ngram": {n: round(self.size_rate(n), 4) for n in self.sizes}}
