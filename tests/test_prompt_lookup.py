@@ -100,6 +100,9 @@ def test_a_size_priced_out_by_its_mean_is_still_tried_and_corrected():
     assert explored.rounds > 0 and explored.size_rate(3) > 0.9
     assert sum(k > 0 for k in ks[30:]) >= 28  # once corrected, it keeps verifying
     assert run(PromptLookup(max_rows=8)) == ks
+    never = PromptLookup(max_rows=8, prior=(0.0, 1.0))  # a zero count (betavariate refuses it): floored
+    _, lengths = never.propose(reqs, 8)
+    assert never.choose(lengths, cost) == 0
 
 
 def _never_drafts(block_size):

@@ -105,6 +105,12 @@ class PromptLookup:
         hits, misses = self.by_size[n]
         return hits / (hits + misses)
 
+    def _draw(self, n: int) -> float:
+        """A draw from size n's Beta(hits, misses), the counts floored above 0 (betavariate refuses 0: a
+        `prior` of (0, m) or (h, 0), the decayed counts of a size that never hit, or always did)."""
+        hits, misses = self.by_size[n]
+        return self.rng.betavariate(max(hits, 1e-9), max(misses, 1e-9))
+
     def clear(self, slot: int) -> None:
         self.index.pop(slot, None)
 
@@ -150,7 +156,7 @@ class PromptLookup:
             return L, None if cost is None else 1.0
         N = len(lengths)
         sizes = self._matched if len(self._matched) == N else [0] * N  # lengths not from `propose`: pooled
-        draws = {m: self.rng.betavariate(*self.by_size[m]) if self.explore else self.size_rate(m)
+        draws = {m: self._draw(m) if self.explore else self.size_rate(m)
                 for m in sorted(set(sizes) - {0})}  # one draw per size and round, shared by its rows
         a = [draws[m] if m else self.accept_rate for m in sizes]
         best, plain = 0, N / cost.verify(N, 1)
