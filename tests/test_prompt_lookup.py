@@ -42,6 +42,8 @@ def test_index_finds_the_most_recent_longest_match():
     assert 0 not in lk.index
     with pytest.raises(RetraceError, match="n-gram sizes"):
         PromptLookup(max_ngram=1, min_ngram=2)
+    with pytest.raises(RetraceError, match="prior"):
+        PromptLookup(prior=(0.0, 0.0))
 
 
 def test_the_number_verified_follows_the_cost_curve():

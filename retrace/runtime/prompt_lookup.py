@@ -82,6 +82,8 @@ class PromptLookup:
             raise RetraceError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         if max_tokens < 1:
             raise RetraceError(f"prompt lookup needs max_tokens >= 1, got {max_tokens}")
+        if min(prior) < 0 or sum(prior) <= 0:
+            raise RetraceError(f"prompt lookup's prior (hits, misses) must be >= 0 and not both 0, got {prior}")
         self.sizes = range(min_ngram, max_ngram + 1)
         self.max_tokens = max_tokens
         self.max_rows = max_rows
