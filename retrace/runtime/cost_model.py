@@ -72,8 +72,7 @@ class CostModel:
             return
         _, rows, key = bucket
         table = tables.setdefault(rows, {})
-        times = self._provisional.get(bucket)
-        if not warm and (times is not None or key not in table):  # its first timings (see the module docstring)
+        if not warm and (bucket in self._provisional or key not in table):  # its first timings (module docstring)
             times = self._provisional.setdefault(bucket, [])
             times.append(seconds)
             confirmed = len(times) >= self.confirm
@@ -87,19 +86,26 @@ class CostModel:
     # -- predictions -----------------------------------------------------------------------------------
     def _table_rows(self, rows: int) -> int | None:
         """The row count whose measured verifies stand for this one: itself, else the nearest measured."""
-        if rows in self.verify_s or not self.verify_s:
-            return rows if rows in self.verify_s else None
+        if rows in self.verify_s:
+            return rows
+        if not self.verify_s:
+            return None
         return min(self.verify_s, key=lambda n: (abs(n - rows), n))
 
     def verify(self, rows: int, tokens: int) -> float:
         src = self._table_rows(rows)
         table = None if src is None else self.verify_s[src]
         if table and tokens in table:
-            if ("verify", src, tokens) not in self._provisional:
-                return table[tokens]
-            others = {t: v for t, v in table.items() if t != tokens}  # none: nothing else to judge it by
-            return min(table[tokens], self._read(others, rows, tokens)) if others else table[tokens]
+            return self._priced(("verify", src, tokens), table, lambda others: self._read(others, rows, tokens))
         return self._read(table, rows, tokens)
+
+    def _priced(self, bucket: tuple[str, int, int], table: dict[int, float], read) -> float:
+        """A timed bucket's price: its table entry, or while provisional the lower of that and `read` of the
+        row count's other entries (none: nothing else to judge it by)."""
+        key = bucket[2]
+        if bucket not in self._provisional or len(table) == 1:
+            return table[key]
+        return min(table[key], read({k: v for k, v in table.items() if k != key}))
 
     def _read(self, table: dict[int, float] | None, rows: int, tokens: int) -> float:
         """`tokens` read off the measured token counts of `table` (not among them), or the prior."""
@@ -135,10 +141,7 @@ class CostModel:
         table = self.draft_s[rows]
         if slots not in table:
             return self._draft_read(table, slots)
-        others = {s: v for s, v in table.items() if s != slots}  # none: nothing else to judge it by
-        if ("draft", rows, slots) not in self._provisional or not others:
-            return table[slots]
-        return min(table[slots], self._draft_read(others, slots))
+        return self._priced(("draft", rows, slots), table, lambda others: self._draft_read(others, slots))
 
     def _draft_read(self, table: dict[int, float], slots: int) -> float:
         """A width not in `table` (one row count's timed widths) read off the nearest timed one."""
