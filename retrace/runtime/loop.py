@@ -36,6 +36,7 @@ from retrace.runtime.draft_tree import SOURCES, SourceRates
 from retrace.runtime.host_threads import LoopThreads
 from retrace.runtime.modes import MODES  # re-exported (retrace.runtime.loop.MODES)
 from retrace.runtime.options import RuntimeOptions
+from retrace.runtime.prefill_groups import free_rows_for, prefill_groups
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.proposers import (
     DrafterCall,
@@ -118,6 +119,7 @@ class Scheduler:
         self.timing = Timing()
         self.stats: dict[str, AcceptStats] = {m: AcceptStats() for m in MODES}
         self.max_batch_seen = 0
+        self.prefill_free_rows = free_rows_for(self.device)  # padding a prefill call may add (prefill_groups.py)
         self._ids = itertools.count()
         # the round's parts: who proposes (runtime/proposers/), verify and accept, who observes the outcome
         self.policy = make_policy(options.verify_policy, backend, self.block_size) if dc is not None else FixedPolicy(1)
@@ -237,7 +239,26 @@ class Scheduler:
         return admitted
 
     def _prefill(self, reqs: list[Request], events: dict[int, Event]) -> None:
+        """The admitted requests' prompts, in calls of similar lengths (runtime/prefill_groups.py), then their
+        first tokens in one read, committed in admission order."""
         t0 = time.perf_counter()
+        groups = prefill_groups([len(r.prompt_ids) for r in reqs], self.prefill_free_rows)
+        order = [reqs[i] for g in groups for i in g]  # the calls' rows, in call order
+        first = torch.cat([self._prefill_call([reqs[i] for i in g]) for g in groups])
+        flags = pending_flags(order, first.device)  # sampling rows: whose distribution was no distribution
+        firsts = read(first if flags is None else torch.stack([first, flags.to(first.dtype)]))  # the step's one read
+        if flags is not None:
+            firsts, bad = firsts
+            flag_errors(order, bad)
+        self.timing.prefill += time.perf_counter() - t0
+        first_of = {r.rid: f for r, f in zip(order, firsts, strict=True)}
+        for r in reqs:
+            r.anchor, r.anchor_pos = first_of[r.rid], len(r.prompt_ids)
+            self._commit(r, [r.anchor], events)
+
+    def _prefill_call(self, reqs: list[Request]) -> torch.Tensor:
+        """One target call over `reqs`' prompts (padded to the longest) -> their first tokens [N] on the device;
+        the prompts' taps become the drafter's first context."""
         dev = self.device
         lens = [len(r.prompt_ids) for r in reqs]
         T = max(lens)
@@ -245,18 +266,9 @@ class Scheduler:
         positions = index_tensor([list(range(T))] * len(reqs), dev)
         slots = index_tensor([r.slot for r in reqs], dev)
         logits, taps = self.backend.target(slots, ids, positions, index_tensor([[n - 1] for n in lens], dev))
-        logits = min_length(logits, reqs, self.eos_ids)
-        first = self._sample_first(logits[:, 0], reqs)
-        flags = pending_flags(reqs, first.device)  # sampling rows: whose distribution was no distribution
-        firsts = read(first if flags is None else torch.stack([first, flags.to(first.dtype)]))  # the step's one read
-        if flags is not None:
-            firsts, bad = firsts
-            flag_errors(reqs, bad)
-        self.timing.prefill += time.perf_counter() - t0
-        for i, (r, first) in enumerate(zip(reqs, firsts, strict=True)):
+        for i, r in enumerate(reqs):
             start_context(r, taps[i, : len(r.prompt_ids)])
-            r.anchor, r.anchor_pos = first, len(r.prompt_ids)
-            self._commit(r, [first], events)
+        return self._sample_first(min_length(logits, reqs, self.eos_ids)[:, 0], reqs)
 
     def _round(self, reqs: list[Request], events: dict[int, Event]) -> None:
         batch = RoundBatch.of(reqs, self.device)
