@@ -2,10 +2,11 @@
 
 A prefill call takes [N, T] tokens: every prompt padded to the call's longest. Past a few rows a prefill is
 compute-bound (on a CPU from about 8 rows at int4, on a GPU from a few hundred), so a padded position costs
-what a real one does, and admitting prompts of different lengths together wasted that much: 32 held-out zoo
-prompts of 64-199 tokens, admitted four at a time, were 3,932 tokens padded to 5,144 (+31%), a third of
-batch 4's wall time spent in prefill (docs/bench/prefill-groups.md). One call per prompt wastes nothing, but
-each call also streams the weights once, which is what a padded row is worth below the compute-bound regime.
+what a real one does, and admitting prompts of different lengths together wasted that much: the 0.6B bench's
+32 held-out prompts (64-196 tokens), admitted four at a time, were 3,884 tokens padded to 5,052 (+30%), with a
+third of batch 4's wall time in prefill (docs/bench/qwen3-0.6b-int4-intel-2026-12-07.md). One call per prompt
+wastes nothing, but each call also streams the weights once, which is what padded rows are worth below the
+compute-bound regime. Measured there: prefill -9%, prompt lookup first +4% at batch 4, the same tokens.
 
 So the prompts are sorted by length and each call takes a run of them while the padding it adds stays within
 `free_rows` positions (about one weight pass worth of rows: `free_rows_for` the device) or `slack` of the
