@@ -103,6 +103,8 @@ def generate(target, drafter, engine, backend, options, prompt, prompt_ids, prom
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop), min_tokens=min_tokens, ignore_eos=ignore_eos)
     prompts = _read_prompts(prompt, prompt_ids, prompts_file)
+    if options.max_batch is None and len(prompts) == 1:  # one slot: smaller caches, and on an int4 bundle no
+        options = options.replace(max_batch=1)  # attention pad row (runtime/onnxruntime_backend.py)
     rt = build_runtime(target, drafter, engine, backend, options, drafts=mode != "ar")
     if as_json:
         results = rt.generate(prompts, params, mode)

@@ -248,7 +248,13 @@ class OnnxRuntimeBackend:
         # its own (the only packed copy; loaded first, while nothing else is resident: a lower peak), a small
         # one is prepacked inside each graph (one call fewer per step)
         t_path, d_path = bundle.graph_path("target"), bundle.graph_path("drafter") if self.drafter_config else None
-        t_model, self.inplace = self._inplace_target(t_path, kv_mode, row_invariant)
+        # measured on the CPU provider only (runtime/row_invariance.py); other providers' kernels: not padded
+        cpu = PROVIDER_DEVICE.get(first_provider(self.providers)) == "cpu"
+        body, head = nbits_rules(bundle, self.target_config.layers, threads) if row_invariant and cpu else (None, None)
+        # attention's pad row, unless every call has two tokens already: one row a call, whose body rule pads a
+        # one-token call (2026-12-07: the pad's 200 Slice / Concat nodes were 5% of the int4 decode step)
+        pad_attention = row_invariant and not (self.max_batch == 1 and body in ("two", "pairs"))
+        t_model, self.inplace = self._inplace_target(t_path, kv_mode, pad_attention)
         self.kv_mode = "inplace" if self.inplace else (kv_mode or "gather")  # the drafter's: gather or full
         t_head = rewrite_head(t_path, cut=True, model=t_model) if self.shared is not None else None
         d_head = rewrite_head(d_path, cut=True) if t_head is not None else None
@@ -283,11 +289,9 @@ class OnnxRuntimeBackend:
         self._dgraph = self._dcache = None
         self._drafter_head = (d_head, threads, session_options)
         self.threads = threads
-        # measured on the CPU provider only (runtime/row_invariance.py); other providers' kernels: not padded
-        cpu = PROVIDER_DEVICE.get(first_provider(self.providers)) == "cpu"
         self.cover = SlotCover(self.max_batch)
-        self.widths = (row_widths(bundle, self.inplace, self.target_config.layers, threads)
-                       if row_invariant and cpu else None)
+        self.widths = None if body is None else RowWidths(
+            tokens=stricter(body, "any" if self.inplace is not None and self.inplace.pad else "two"), rows=head)
 
         dtype = self.tgraph.dtype("past_key_0")
         tc = self.target_config.layers
@@ -368,7 +372,7 @@ class OnnxRuntimeBackend:
         t_name = self.shared.pairs.get(name) if self.shared is not None else None
         return self.shared.arrays[t_name] if t_name is not None else map_initializer(self._draft_table[0], name)
 
-    def _inplace_target(self, path: Path, kv_mode: str | None, row_invariant: bool):
+    def _inplace_target(self, path: Path, kv_mode: str | None, pad_attention: bool):
         """(the target graph rewritten for in-place K/V, its InplaceKV) or (None, None) where the mode is
         not inplace or (auto mode) the graph does not have the exported attention form."""
         if kv_mode not in (None, "inplace"):
@@ -391,7 +395,7 @@ class OnnxRuntimeBackend:
         # the rotary inside the operator where its position_ids handling was checked (tree depths): the CPU kernel
         inplace = to_inplace_kv(model, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                 max_positions=self.max_seq_len + SPARE if where == "cpu" else None,
-                                pad_attention=where == "cpu" and row_invariant)
+                                pad_attention=where == "cpu" and pad_attention)
         if inplace is None and kv_mode == "inplace":
             raise RetraceError(f"{path}: kv_mode='inplace' needs the exported attention form (Concat(past, new) "
                                "-> Attention per layer); this graph has another one: use kv_mode='gather'")
@@ -559,21 +563,20 @@ def as_presents(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"present_" + name[len("past_"):]: t for name, t in caches.items()}
 
 
-def row_widths(bundle: Bundle, inplace, layers, threads: int | None) -> RowWidths:
-    """What the target's kernels need for row-invariant calls on this CPU (retrace.runtime.row_invariance):
-    the body's MatMulNBits (depths: hidden, attention output, MLP) and, unless the in-place graph pads it,
-    attention's one-token path; the LM head's (depth: hidden). A w8a8 bundle's integer matmuls are exact in
-    any row count (retrace.export.w8a8)."""
+def nbits_rules(bundle: Bundle, layers, threads: int | None) -> tuple[str, str]:
+    """What the target's kernels need for row-invariant calls on this CPU (retrace.runtime.row_invariance), as
+    (body, head): the body's MatMulNBits (depths: hidden, attention output, MLP) and the LM head's (depth:
+    hidden). A w8a8 bundle's integer matmuls are exact in any row count (retrace.export.w8a8). Attention's
+    one-token path is the in-place graph's pad row, or the tokens' "two" without it (the backend's widths)."""
     q = bundle.manifest.get("quantization") or {}
     if not q or q.get("weights") == "w8a8":
-        body = head = "any"
-    else:
-        bits, level, block = q.get("bits", 4), q.get("accuracy_level"), q.get("block_size")
-        depths = (layers.hidden_size, layers.num_attention_heads * layers.head_dim, layers.intermediate_size)
-        body = nbits_rule(block, level, bits, depths, threads)
-        head = (nbits_rule(q.get("lm_head_block_size", block), level, bits, (layers.hidden_size,), threads)
-                if q.get("lm_head") else "any")
-    return RowWidths(tokens=stricter(body, "any" if inplace is not None and inplace.pad else "two"), rows=head)
+        return "any", "any"
+    bits, level, block = q.get("bits", 4), q.get("accuracy_level"), q.get("block_size")
+    depths = (layers.hidden_size, layers.num_attention_heads * layers.head_dim, layers.intermediate_size)
+    body = nbits_rule(block, level, bits, depths, threads)
+    head = (nbits_rule(q.get("lm_head_block_size", block), level, bits, (layers.hidden_size,), threads)
+            if q.get("lm_head") else "any")
+    return body, head
 
 
 def head_session_pays(head: HeadGraph) -> bool:

@@ -97,8 +97,10 @@ def pad_tree_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
 def rows_matching_decodes(be, widths=(2, 3, 4, 5, 8, 9), prefill: int = 6, seed: int = 0) -> dict[int, int]:
     """The check behind this module, on any backend: for each width T, how many rows of ONE T-token target call
     are bit-identical to the T one-token calls (the decode steps `ar` runs) over the same random tokens from
-    the same past. Writes slots 0 and 1 of the backend's caches."""
+    the same past. Writes slots 0 and 1 of the backend's caches (slot 0 only in a one-slot backend: the wide call
+    then writes over the decode steps' entries, from the same past)."""
     g = torch.Generator().manual_seed(seed)
+    wide = min(1, be.max_batch - 1)
     V = be.target_config.vocab_size
     T = max(widths)
     ids = torch.randint(0, V, (1, prefill + T), generator=g)
@@ -107,11 +109,11 @@ def rows_matching_decodes(be, widths=(2, 3, 4, 5, 8, 9), prefill: int = 6, seed:
         chunk = ids[:, start:start + n]
         return be.target(torch.tensor([slot]), chunk, torch.arange(start, start + n)[None], torch.arange(n)[None])[0][0]
 
-    for slot in (0, 1):
+    for slot in {0, wide}:
         call(slot, 0, prefill)
     decodes = [call(0, prefill + i, 1)[0] for i in range(T)]
     out = {}
     for w in widths:
-        rows = call(1, prefill, w)
+        rows = call(wide, prefill, w)
         out[w] = sum(torch.equal(rows[i], decodes[i]) for i in range(w))
     return out
