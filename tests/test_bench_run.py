@@ -307,3 +307,22 @@ def test_the_fastest_peer_is_whoever_ran_fastest_at_the_same_batch_and_width():
     assert got["retrace-onnxruntime-ar", 1]["peer_name"] == "ortgenai-ar"
     assert got["retrace-onnxruntime-ar-int4b256", 4]["peer_name"] == "llamacpp-dflash-q4_k_m"
 
+
+
+def test_draft_call_is_reported_against_the_decode_step_of_the_same_backend_and_precision():
+    """Issue 26's measure in every bench: a drafting system's forward time per draft call over plain decoding's
+    per decode step (its target calls after one prefill call per prompt), same backend and weight width."""
+    from retrace.bench.report import draft_cost_lines
+
+    def system(name, backend, **split):
+        return {"name": name, "family": "retrace", "backend": backend, "status": "ok", "batch_size": 1,
+                "time_split": split}
+
+    ar = dict(target_forward_s=12.0, prefill_s=2.0, target_calls=504.0, draft_calls=0.0, draft_ms_per_call=None)
+    results = {"config": {"n_prompts": 4}, "systems": [
+        system("retrace-onnxruntime-ar-int4b256", "onnxruntime", **ar),  # 500 decode steps of 20 ms
+        system("retrace-onnxruntime-retrace-int4b256", "onnxruntime", draft_calls=100.0, draft_ms_per_call=5.0),
+        system("retrace-onnxruntime-retrace", "onnxruntime", draft_calls=100.0, draft_ms_per_call=5.0),  # no fp32 ar
+        system("retrace-torch-ar", "torch", **{**ar, "target_calls": 4.0})]}  # no decode step to compare with
+    assert draft_cost_lines(results) == ["retrace-onnxruntime-retrace-int4b256 5.00 ms = 0.25 of "
+                                         "retrace-onnxruntime-ar-int4b256's 20.00 ms decode step (100 calls a run)"]

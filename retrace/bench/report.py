@@ -57,6 +57,27 @@ def tau_lines(results: dict) -> list[str]:
     return out
 
 
+def draft_cost_lines(results: dict) -> list[str]:
+    """Each of our drafting systems' draft call against a decode step at batch 1 (issue 26's measure): the
+    drafter's forward time per call over the forward time per decode step of plain decoding on the same backend
+    and precision (its target calls after each prompt's one prefill call). The calls are at the draft widths
+    the system's policy chose, which a 16-slot block bounds from above."""
+    from retrace.bench.precision import of_name
+
+    ok = {s["name"]: s for s in results["systems"] if s["status"] == "ok" and s["batch_size"] == 1}
+    n = results["config"]["n_prompts"]
+    out = []
+    for s in ok.values():
+        t, ar = s.get("time_split") or {}, ok.get(f"retrace-{s.get('backend')}-ar{of_name(s['name'])}")
+        a = (ar or {}).get("time_split") or {}
+        if s["family"] != "retrace" or not t.get("draft_calls") or not a or a["target_calls"] <= n:
+            continue
+        decode = 1000 * (a["target_forward_s"] - a["prefill_s"]) / (a["target_calls"] - n)
+        out.append(f"{s['name']} {t['draft_ms_per_call']:.2f} ms = {t['draft_ms_per_call'] / decode:.2f} of "
+                   f"{ar['name']}'s {decode:.2f} ms decode step ({t['draft_calls']:.0f} calls a run)")
+    return out
+
+
 def fidelity_line(results: dict) -> str:
     f = results.get("fidelity")
     if not f:
@@ -162,6 +183,8 @@ def print_results(results: dict, console=None) -> None:
     console.print(fidelity_line(results))
     for line in tau_lines(results):
         console.print(f"tau at batch 1, {line}")
+    for line in draft_cost_lines(results):
+        console.print(f"draft call at batch 1, {line}")
     a = results.get("agreement") or {}
     if a:
         console.print(f"agreement with {a['reference']}: {a['total_mismatched_prompts']} mismatched prompt outputs "
@@ -205,6 +228,10 @@ def render_markdown(results: dict) -> str:
     taus = tau_lines(results)
     if taus:
         lines += ["tau at batch 1 (pooled over all rounds, and per prompt): " + "; ".join(taus) + ".", ""]
+    drafts = draft_cost_lines(results)
+    if drafts:
+        lines += ["The draft call against a decode step at batch 1 (forward time per call; at the draft widths each "
+                  "policy chose): " + "; ".join(drafts) + ".", ""]
     spec = speculative_lines(results)
     if spec:
         lines += ["The peers' own speculative modes: " + "; ".join(spec) + ".", ""]
