@@ -47,6 +47,10 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
              "rounds of up to 8 rows; runtime/prompt_lookup.py): `on` in rounds without a drafter call, `first` also "
              "instead of a draft call where the lookup is expected to commit faster "
              "(runtime/proposers/lookup_first.py), `off` never")),
+    "prefill_chunk": ("prefill_chunk", "--prefill-chunk", dict(
+        type=int, default=None, help="prompt tokens prefilled per step over all new prompts, so the running "
+                                     "requests decode between a long prompt's chunks (runtime/prefill_chunks.py)",
+        note="[default: each prompt whole]")),
     "device": ("device", "--device", dict(
         default=None, help="where the torch backend runs: cpu, cuda, cuda:N", note="[default: cpu]")),
     "dtype": ("dtype", "--dtype", dict(

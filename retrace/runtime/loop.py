@@ -36,6 +36,7 @@ from retrace.runtime.draft_tree import SOURCES, SourceRates
 from retrace.runtime.host_threads import LoopThreads
 from retrace.runtime.modes import MODES  # re-exported (retrace.runtime.loop.MODES)
 from retrace.runtime.options import RuntimeOptions
+from retrace.runtime.prefill_chunks import next_chunks
 from retrace.runtime.prefill_groups import free_rows_for, prefill_groups
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.proposers import (
@@ -47,7 +48,7 @@ from retrace.runtime.proposers import (
     ProposerPlan,
     RoundBatch,
 )
-from retrace.runtime.proposers.context import extend_context, start_context
+from retrace.runtime.proposers.context import continue_context, extend_context, start_context
 from retrace.runtime.round_outcome import PolicyObserver, TimingObserver
 from retrace.runtime.sampling import SamplingParams, argmax, flag_errors, pending_flags, row_probs
 from retrace.runtime.stats import AcceptStats, Timing
@@ -76,7 +77,8 @@ class Request:
     stats: AcceptStats = field(default_factory=AcceptStats)
     slot: int = -1
     anchor: int = -1  # last committed token (no target K/V yet)
-    anchor_pos: int = -1
+    anchor_pos: int = -1  # -1 until the prompt is all in the cache and the first token is committed
+    prefilled: int = 0  # prompt tokens in the cache (runtime/prefill_chunks.py)
     ctx_taps: torch.Tensor | None = None  # target taps not yet given to the drafter (the last verify's)
     ctx_parts: list[torch.Tensor] = field(default_factory=list)  # earlier ones, from rounds without a draft
     ctx_parts_len: int = 0  # their total length
@@ -120,6 +122,7 @@ class Scheduler:
         self.stats: dict[str, AcceptStats] = {m: AcceptStats() for m in MODES}
         self.max_batch_seen = 0
         self.prefill_free_rows = free_rows_for(self.device)  # padding a prefill call may add (prefill_groups.py)
+        self.prefill_chunk = options.prefill_chunk  # prompt tokens prefilled per step (prefill_chunks.py)
         self._ids = itertools.count()
         # the round's parts: who proposes (runtime/proposers/), verify and accept, who observes the outcome
         self.policy = make_policy(options.verify_policy, backend, self.block_size) if dc is not None else FixedPolicy(1)
@@ -211,14 +214,17 @@ class Scheduler:
     def _step(self) -> list[Event]:
         t0 = time.perf_counter()
         events: dict[int, Event] = {}
-        admitted = self._admit()
-        if admitted:
-            self._prefill(admitted, events)
+        self._admit()
+        prefilling = [r for r in self.running.values() if r.anchor_pos < 0]  # admission order
+        if prefilling:
+            self._prefill(prefilling, events)
         self.max_batch_seen = max(self.max_batch_seen, len(self.running))
         for mode in MODES:
             # in slot order: a full batch's slots are then one contiguous range, which backends bind as views
-            # (a scattered set is gathered; the running dict's order is admission order, not slot order)
-            group = sorted((r for r in self.running.values() if r.mode == mode), key=lambda r: r.slot)
+            # (a scattered set is gathered; the running dict's order is admission order, not slot order); a
+            # request whose prompt is still being prefilled in chunks joins the rounds once it has its first token
+            group = sorted((r for r in self.running.values() if r.mode == mode and r.anchor_pos >= 0),
+                           key=lambda r: r.slot)
             if group:
                 self._round(group, events)
         self.timing.wall += time.perf_counter() - t0
@@ -239,36 +245,50 @@ class Scheduler:
         return admitted
 
     def _prefill(self, reqs: list[Request], events: dict[int, Event]) -> None:
-        """The admitted requests' prompts, in calls of similar lengths (runtime/prefill_groups.py), then their
-        first tokens in one read, committed in admission order."""
+        """The prompts not all in the cache yet (admission order), as far as this step's budget goes
+        (runtime/prefill_chunks.py), in calls of similar lengths (runtime/prefill_groups.py); the requests whose
+        prompt is then complete get their first tokens in one read, committed in admission order."""
         t0 = time.perf_counter()
-        groups = prefill_groups([len(r.prompt_ids) for r in reqs], self.prefill_free_rows)
-        order = [reqs[i] for g in groups for i in g]  # the calls' rows, in call order
-        first = torch.cat([self._prefill_call([reqs[i] for i in g]) for g in groups])
-        flags = pending_flags(order, first.device)  # sampling rows: whose distribution was no distribution
+        parts = next_chunks(reqs, self.prefill_chunk)
+        groups = prefill_groups([stop - start for _, start, stop in parts], self.prefill_free_rows)
+        calls = [self._prefill_call([parts[i] for i in g]) for g in groups]
+        done = [r for _, rs in calls for r in rs]  # the completed prompts, in call order
+        if not done:
+            self.timing.prefill += time.perf_counter() - t0
+            return
+        first = torch.cat([f for f, rs in calls if rs])
+        flags = pending_flags(done, first.device)  # sampling rows: whose distribution was no distribution
         firsts = read(first if flags is None else torch.stack([first, flags.to(first.dtype)]))  # the step's one read
         if flags is not None:
             firsts, bad = firsts
-            flag_errors(order, bad)
+            flag_errors(done, bad)
         self.timing.prefill += time.perf_counter() - t0
-        first_of = {r.rid: f for r, f in zip(order, firsts, strict=True)}
+        first_of = {r.rid: f for r, f in zip(done, firsts, strict=True)}
         for r in reqs:
-            r.anchor, r.anchor_pos = first_of[r.rid], len(r.prompt_ids)
-            self._commit(r, [r.anchor], events)
+            if r.rid in first_of:
+                r.anchor, r.anchor_pos = first_of[r.rid], len(r.prompt_ids)
+                self._commit(r, [r.anchor], events)
 
-    def _prefill_call(self, reqs: list[Request]) -> torch.Tensor:
-        """One target call over `reqs`' prompts (padded to the longest) -> their first tokens [N] on the device;
-        the prompts' taps become the drafter's first context."""
-        dev = self.device
-        lens = [len(r.prompt_ids) for r in reqs]
+    def _prefill_call(self, parts: list[tuple[Request, int, int]]) -> tuple[torch.Tensor | None, list[Request]]:
+        """One target call over prompt tokens [start, stop) of each request (padded to the longest) -> (the first
+        tokens [n] on the device of the requests whose prompt it completes, those requests). The chunks' taps
+        extend the drafter's first context."""
+        dev, last = self.device, self.backend.max_seq_len - 1
+        lens = [stop - start for _, start, stop in parts]
         T = max(lens)
-        ids = to_device([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], dev)
-        positions = index_tensor([list(range(T))] * len(reqs), dev)
-        slots = index_tensor([r.slot for r in reqs], dev)
+        ids = to_device([r.prompt_ids[a:b] + [0] * (T - (b - a)) for r, a, b in parts], dev)
+        positions = index_tensor([[min(a + i, last) for i in range(T)] for _, a, _ in parts], dev)
+        slots = index_tensor([r.slot for r, _, _ in parts], dev)
         logits, taps = self.backend.target(slots, ids, positions, index_tensor([[n - 1] for n in lens], dev))
-        for i, r in enumerate(reqs):
-            start_context(r, taps[i, : len(r.prompt_ids)])
-        return self._sample_first(min_length(logits, reqs, self.eos_ids)[:, 0], reqs)
+        for i, (r, a, b) in enumerate(parts):
+            (start_context if a == 0 else continue_context)(r, taps[i, : b - a])
+            r.prefilled = b
+        rows = [i for i, (r, _, b) in enumerate(parts) if b == len(r.prompt_ids)]
+        if not rows:
+            return None, []
+        done = [parts[i][0] for i in rows]
+        logits = logits if len(rows) == len(parts) else logits[index_tensor(rows, logits.device)]
+        return self._sample_first(min_length(logits, done, self.eos_ids)[:, 0], done), done
 
     def _round(self, reqs: list[Request], events: dict[int, Event]) -> None:
         batch = RoundBatch.of(reqs, self.device)

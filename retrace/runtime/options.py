@@ -53,6 +53,8 @@ class RuntimeOptions:
     #   without a drafter call; False: never (what measures the drafter alone: `retrace eval`, training
     #   rollouts, the bench's drafter-only systems)
     eos_ids: tuple[int, ...] | None = None  # tokens that end a request; None: the target's eos_token_ids
+    prefill_chunk: int | None = None  # prompt tokens prefilled per step over all new prompts, so running
+    #   requests go on between a long prompt's chunks (runtime/prefill_chunks.py); None: each prompt whole
     # -- the backend --
     max_batch: int | None = None  # batch slots; None: DIRS_MAX_BATCH for model dirs, the bundle's limit
     max_seq_len: int | None = None  # tokens per slot; None: DIRS_MAX_SEQ_LEN for model dirs, the bundle's
@@ -76,7 +78,7 @@ class RuntimeOptions:
     def validate(self) -> None:
         """Raise RetraceError (InvalidOption for a bad number) naming the first wrong option; normalizes
         tree_sources to its tuple and eos_ids to a tuple."""
-        for name in ("block_size", "max_batch", "max_seq_len", "threads"):
+        for name in ("block_size", "max_batch", "max_seq_len", "threads", "prefill_chunk"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise InvalidOption(name, f"must be positive, got {value}")

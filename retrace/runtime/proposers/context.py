@@ -20,6 +20,15 @@ def start_context(r, prompt_taps: torch.Tensor) -> None:
     r.ctx_parts, r.ctx_parts_len, r.ctx_pos0 = [], 0, 0
 
 
+def continue_context(r, chunk_taps: torch.Tensor) -> None:
+    """A later chunk of a chunked prefill (runtime/prefill_chunks.py): its taps follow the earlier chunks'."""
+    if r.mode == "ar":
+        return
+    r.ctx_parts.append(r.ctx_taps)
+    r.ctx_parts_len += r.ctx_taps.shape[0]
+    r.ctx_taps = chunk_taps
+
+
 def extend_context(r, taps: torch.Tensor, drafted: bool) -> None:
     """The verify taps of this round become the drafter's next context. A round without a draft call
     gave the drafter nothing: its pending taps (up to the anchor) stay and the new ones follow."""
