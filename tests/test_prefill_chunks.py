@@ -80,6 +80,21 @@ def test_a_seeded_sampling_request_draws_the_same_chunked(pair):
     assert Runtime(be, None, prefill_chunk=7).generate([LONG], params, "retrace")[0].token_ids == whole
 
 
-def test_a_chunk_must_be_positive(pair):
-    with pytest.raises(RetraceError, match="prefill_chunk must be positive"):
-        Runtime(TorchBackend.from_dirs(*pair, max_batch=1, max_seq_len=96), None, prefill_chunk=0)
+def test_chunk_settings_and_the_servers_default(pair):
+    """0 (or None) prefills whole prompts, "auto" by device (128 tokens a step on a CPU, 2048 on CUDA; what
+    `retrace serve` runs with unless --prefill-chunk is given); anything else is refused with its name."""
+    import torch
+
+    from retrace.runtime.options import RuntimeOptions
+    from retrace.runtime.prefill_chunks import budget_for
+    from retrace.serve.cli import serving_defaults
+
+    be = TorchBackend.from_dirs(*pair, max_batch=1, max_seq_len=96)
+    assert [Runtime(be, None, prefill_chunk=c).scheduler().prefill_chunk for c in (None, 0, 5, "auto")] == [
+        None, None, 5, 128]
+    assert (budget_for("auto", torch.device("cuda")), budget_for(0, torch.device("cpu"))) == (2048, None)
+    for bad in (-1, "x", 2.5, True):
+        with pytest.raises(RetraceError, match="prefill_chunk must be a number of tokens >= 0"):
+            Runtime(be, None, prefill_chunk=bad)
+    assert serving_defaults(RuntimeOptions()).prefill_chunk == "auto"
+    assert serving_defaults(RuntimeOptions(prefill_chunk=0)).prefill_chunk == 0

@@ -36,7 +36,7 @@ from retrace.runtime.draft_tree import SOURCES, SourceRates
 from retrace.runtime.host_threads import LoopThreads
 from retrace.runtime.modes import MODES  # re-exported (retrace.runtime.loop.MODES)
 from retrace.runtime.options import RuntimeOptions
-from retrace.runtime.prefill_chunks import next_chunks
+from retrace.runtime.prefill_chunks import budget_for, next_chunks
 from retrace.runtime.prefill_groups import free_rows_for, prefill_groups
 from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.proposers import (
@@ -122,7 +122,7 @@ class Scheduler:
         self.stats: dict[str, AcceptStats] = {m: AcceptStats() for m in MODES}
         self.max_batch_seen = 0
         self.prefill_free_rows = free_rows_for(self.device)  # padding a prefill call may add (prefill_groups.py)
-        self.prefill_chunk = options.prefill_chunk  # prompt tokens prefilled per step (prefill_chunks.py)
+        self.prefill_chunk = budget_for(options.prefill_chunk, self.device)  # prompt tokens a step (prefill_chunks.py)
         self._ids = itertools.count()
         # the round's parts: who proposes (runtime/proposers/), verify and accept, who observes the outcome
         self.policy = make_policy(options.verify_policy, backend, self.block_size) if dc is not None else FixedPolicy(1)

@@ -53,8 +53,9 @@ class RuntimeOptions:
     #   without a drafter call; False: never (what measures the drafter alone: `retrace eval`, training
     #   rollouts, the bench's drafter-only systems)
     eos_ids: tuple[int, ...] | None = None  # tokens that end a request; None: the target's eos_token_ids
-    prefill_chunk: int | None = None  # prompt tokens prefilled per step over all new prompts, so running
-    #   requests go on between a long prompt's chunks (runtime/prefill_chunks.py); None: each prompt whole
+    prefill_chunk: int | str | None = None  # prompt tokens prefilled per step over all new prompts, so running
+    #   requests go on between a long prompt's chunks (runtime/prefill_chunks.py); None or 0: each prompt whole;
+    #   "auto": by device (128 on a CPU, 2048 on CUDA; `retrace serve`'s default)
     # -- the backend --
     max_batch: int | None = None  # batch slots; None: DIRS_MAX_BATCH for model dirs, the bundle's limit
     max_seq_len: int | None = None  # tokens per slot; None: DIRS_MAX_SEQ_LEN for model dirs, the bundle's
@@ -78,10 +79,14 @@ class RuntimeOptions:
     def validate(self) -> None:
         """Raise RetraceError (InvalidOption for a bad number) naming the first wrong option; normalizes
         tree_sources to its tuple and eos_ids to a tuple."""
-        for name in ("block_size", "max_batch", "max_seq_len", "threads", "prefill_chunk"):
+        for name in ("block_size", "max_batch", "max_seq_len", "threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise InvalidOption(name, f"must be positive, got {value}")
+        c = self.prefill_chunk
+        if c is not None and c != "auto" and (not isinstance(c, int) or isinstance(c, bool) or c < 0):
+            raise InvalidOption("prefill_chunk", f"must be a number of tokens >= 0 (0: whole prompts) or \"auto\", "
+                                                 f"got {c!r}")
         if self.threads is not None:
             try:
                 check_threads(self.threads, "threads")

@@ -102,8 +102,10 @@ def create_runtime(
         return _import_callable(factory)(str(bundle_dir), backend=backend, max_batch=max_batch, **(options or {}))
     from retrace.runtime import Runtime  # imported here: only the real deployment needs torch/onnxruntime
 
+    # a server's requests stream: long prompts prefilled in chunks unless the options say (retrace serve's default)
+    options = {"prefill_chunk": "auto", **(options or {})}
     return Runtime.from_bundle(str(bundle_dir), backend=backend, max_batch=max_batch, verify_policy=verify_policy,
-                               **(options or {}))
+                               **options)
 
 
 def _int_or_none(v: Any) -> int | None:
