@@ -84,14 +84,21 @@ class Request:
     ctx_parts_len: int = 0  # their total length
     ctx_pos0: int = 0  # absolute position of ctx_taps[0]
     generator: torch.Generator | None = None
-    t_start: float = 0.0
+    t_arrival: float = 0.0  # when `add` queued it
+    t_start: float = 0.0  # when it was admitted to a slot
+    t_first: float = 0.0  # when its first token was committed (0: none yet)
     t_end: float = 0.0
 
     def result(self) -> dict:
         wall = max(self.t_end - self.t_start, 1e-12)
+        n = len(self.output_ids)
+        latency = {  # what a server's latency metrics observe (runtime/serving_metrics.py), None where undefined
+            "ttft_s": self.t_first - self.t_arrival if self.t_first else None,
+            "tpot_s": (self.t_end - self.t_first) / (n - 1) if self.t_first and n > 1 else None,
+        }
         return {
             "token_ids": list(self.output_ids), "text": self.text, "finish_reason": self.finish_reason,
-            "stats": {**self.stats.to_dict(), "tokens_per_s": len(self.output_ids) / wall, "wall_s": wall},
+            "stats": {**self.stats.to_dict(), "tokens_per_s": n / wall, "wall_s": wall, **latency},
         }
 
 
@@ -169,7 +176,7 @@ class Scheduler:
     def add(self, prompt_ids: list[int], params: SamplingParams, mode: str = "retrace") -> Request:
         """Queue a request (validated now, so a bad one never breaks a running batch)."""
         self.check(prompt_ids, params, mode)
-        req = Request(next(self._ids), list(prompt_ids), params, mode)
+        req = Request(next(self._ids), list(prompt_ids), params, mode, t_arrival=time.perf_counter())
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), device="cpu"))
         req.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting.append(req)
@@ -331,6 +338,8 @@ class Scheduler:
         n0 = len(r.output_ids)
         delta = append(r, tokens, self.eos_ids, self.codec)  # EOS, length, text and stop strings
         new = r.output_ids[n0:]
+        if new and not n0:
+            r.t_first = time.perf_counter()
         r.stats.tokens += len(new)
         self.stats[r.mode].tokens += len(new)
         ev = events.get(r.rid)

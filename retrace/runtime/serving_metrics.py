@@ -14,10 +14,15 @@ Per mode (label ``mode``):
   retrace_accepted_tokens_total   drafts the target accepted (bonus tokens not counted)
   retrace_accepted_length         histogram of accepted drafts per round (tau - 1 per round)
   retrace_verify_length           histogram of verified drafts per round (the chosen K)
+  retrace_time_to_first_token_seconds    histogram over requests: from `add` to the first token (queueing and
+                                         prefill; long prompts in chunks: docs/serving.md)
+  retrace_time_per_output_token_seconds  histogram over requests: mean time between tokens after the first
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -34,12 +39,22 @@ HISTOGRAMS = {
     "verify_hist": ("retrace_verify_length", "Drafts verified per round"),
 }
 
+LATENCIES = {  # stats key -> (metric name, help): seconds per request, in LATENCY_BUCKETS
+    "ttft_s": ("retrace_time_to_first_token_seconds", "Time from a request's arrival to its first token"),
+    "tpot_s": ("retrace_time_per_output_token_seconds", "Mean time between a request's tokens after its first"),
+}
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # upper bounds, s
+
 
 @dataclass
 class _ModeTotals:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     finish_reasons: dict[str, int] = field(default_factory=dict)
     hists: dict[str, list[int]] = field(default_factory=lambda: {k: [] for k in HISTOGRAMS})
+    # per latency: requests in each LATENCY_BUCKETS bucket (not cumulative; the last one: above them all), the sum
+    latency: dict[str, list[int]] = field(default_factory=lambda: {k: [0] * (len(LATENCY_BUCKETS) + 1)
+                                                                     for k in LATENCIES})
+    latency_sum: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0.0))
 
 
 def request_counts(stats: dict) -> dict[str, int]:
@@ -76,12 +91,17 @@ class ServingMetrics:
                     if i >= len(h):
                         h.extend([0] * (i + 1 - len(h)))
                     h[i] += n
+            for key in LATENCIES:
+                if (v := stats.get(key)) is not None:
+                    t.latency[key][bisect.bisect_left(LATENCY_BUCKETS, v)] += 1
+                    t.latency_sum[key] += v
 
     def snapshot(self) -> dict[str, dict]:
         """{mode: {"requests": .., "rounds": .., ..., "finish_reasons": {..}, "accepted_hist": [..], ...}}"""
         with self._lock:
             return {m: {**t.counters, "finish_reasons": dict(t.finish_reasons),
-                        **{k: list(v) for k, v in t.hists.items()}}
+                        **{k: list(v) for k, v in t.hists.items()},
+                        **{k: {"counts": list(t.latency[k]), "sum": t.latency_sum[k]} for k in LATENCIES}}
                     for m, t in self._modes.items()}
 
     def prometheus_text(self) -> bytes:
@@ -121,4 +141,11 @@ class _Collector:
                     buckets.append((str(float(value)), cum))
                 buckets.append(("+Inf", cum))
                 fam.add_metric([mode], buckets, sum_value=total)
+            yield fam
+        for key, (name, doc) in LATENCIES.items():
+            fam = HistogramMetricFamily(name, doc, labels=["mode"])
+            for mode, s in snap.items():
+                cum = list(itertools.accumulate(s[key]["counts"]))
+                bounds = [str(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+                fam.add_metric([mode], list(zip(bounds, cum, strict=True)), sum_value=s[key]["sum"])
             yield fam
