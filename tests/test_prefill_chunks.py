@@ -98,3 +98,21 @@ def test_chunk_settings_and_the_servers_default(pair):
             Runtime(be, None, prefill_chunk=bad)
     assert serving_defaults(RuntimeOptions()).prefill_chunk == "auto"
     assert serving_defaults(RuntimeOptions(prefill_chunk=0)).prefill_chunk == 0
+
+
+def test_a_request_cancelled_mid_prefill_frees_its_slot_for_the_next(pair):
+    """Half of a long prompt in the cache, then the client goes away: the slot's next request (a shorter
+    prompt over the stale entries) still decodes the target's own tokens."""
+    be = TorchBackend.from_dirs(*pair, max_batch=1, max_seq_len=96)
+    sched = Runtime(be, None, prefill_chunk=8).scheduler()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    long = sched.add(LONG, params, "retrace")
+    sched.step()
+    sched.step()
+    assert long.prefilled == 16 and not long.output_ids
+    sched.cancel(long)
+    short = sched.add(SHORT, params, "retrace")
+    while sched.has_work:
+        sched.step()
+    assert long.finish_reason == "cancelled" and short.slot == -1
+    assert short.output_ids == hf_greedy(load_hf_target(pair[0]), SHORT, 12)
