@@ -62,8 +62,10 @@ def serve(target, drafter, engine, backend, options, host, port, max_queue, chat
     svc = Service(ServingEngine(rt, max_queue=max_queue, log=lambda m: click.echo(f"[retrace] {m}", err=True)), name,
                   chat, drain_s=drain_timeout,
                   limits=ServeLimits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars))
+    chunk = rt.scheduler().prefill_chunk  # what "auto" came to on this device
     click.echo(f"retrace serve: model `{name}` ({rt.backend.name}, max_batch {rt.backend.max_batch}, modes "
-               f"{', '.join(svc.modes)}, chat template {'yes' if chat else 'no'}) on http://{host}:{port}", err=True)
+               f"{', '.join(svc.modes)}, chat template {'yes' if chat else 'no'}, prefill "
+               f"{f'{chunk} tokens a step' if chunk else 'whole prompts'}) on http://{host}:{port}", err=True)
     # the engine drains from the signal on (Service.begin_drain); uvicorn waits a little longer, so the
     # requests the drain fails still get their 503 / error event
     config = uvicorn.Config(create_app(svc), host=host, port=port, log_level=log_level,
