@@ -51,7 +51,7 @@ FLAGS: dict[str, tuple[str, str, dict]] = {
         type=int, default=None, help="prompt tokens prefilled per step over all new prompts, so the running "
                                      "requests decode between a long prompt's chunks (runtime/prefill_chunks.py; "
                                      "0: each prompt whole)",
-        note="[default: each prompt whole; serve: 128 on a CPU, 2048 on CUDA]")),
+        note="[default: each prompt whole; serve: 256 on a CPU, 2048 on CUDA]")),
     "device": ("device", "--device", dict(
         default=None, help="where the torch backend runs: cpu, cuda, cuda:N", note="[default: cpu]")),
     "dtype": ("dtype", "--dtype", dict(

@@ -81,7 +81,7 @@ def test_a_seeded_sampling_request_draws_the_same_chunked(pair):
 
 
 def test_chunk_settings_and_the_servers_default(pair):
-    """0 (or None) prefills whole prompts, "auto" by device (128 tokens a step on a CPU, 2048 on CUDA; what
+    """0 (or None) prefills whole prompts, "auto" by device (256 tokens a step on a CPU, 2048 on CUDA; what
     `retrace serve` runs with unless --prefill-chunk is given); anything else is refused with its name."""
     import torch
 
@@ -91,7 +91,7 @@ def test_chunk_settings_and_the_servers_default(pair):
 
     be = TorchBackend.from_dirs(*pair, max_batch=1, max_seq_len=96)
     assert [Runtime(be, None, prefill_chunk=c).scheduler().prefill_chunk for c in (None, 0, 5, "auto")] == [
-        None, None, 5, 128]
+        None, None, 5, 256]
     assert (budget_for("auto", torch.device("cuda")), budget_for(0, torch.device("cpu"))) == (2048, None)
     for bad in (-1, "x", 2.5, True):
         with pytest.raises(RetraceError, match="prefill_chunk must be a number of tokens >= 0"):

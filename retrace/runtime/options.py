@@ -55,7 +55,7 @@ class RuntimeOptions:
     eos_ids: tuple[int, ...] | None = None  # tokens that end a request; None: the target's eos_token_ids
     prefill_chunk: int | str | None = None  # prompt tokens prefilled per step over all new prompts, so running
     #   requests go on between a long prompt's chunks (runtime/prefill_chunks.py); None or 0: each prompt whole;
-    #   "auto": by device (128 on a CPU, 2048 on CUDA; `retrace serve`'s default)
+    #   "auto": by device (256 on a CPU, 2048 on CUDA; `retrace serve`'s default)
     # -- the backend --
     max_batch: int | None = None  # batch slots; None: DIRS_MAX_BATCH for model dirs, the bundle's limit
     max_seq_len: int | None = None  # tokens per slot; None: DIRS_MAX_SEQ_LEN for model dirs, the bundle's

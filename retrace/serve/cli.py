@@ -77,7 +77,7 @@ def serve(target, drafter, engine, backend, options, host, port, max_queue, chat
 
 def serving_defaults(options):
     """The RuntimeOptions `retrace serve` runs with: a server's requests stream, so a long prompt is prefilled in
-    chunks unless --prefill-chunk says otherwise ("auto": 128 tokens a step on a CPU, 2048 on CUDA)."""
+    chunks unless --prefill-chunk says otherwise ("auto": 256 tokens a step on a CPU, 2048 on CUDA)."""
     return options.replace(prefill_chunk="auto") if options.prefill_chunk is None else options
 
 
