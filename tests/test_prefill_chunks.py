@@ -87,7 +87,6 @@ def test_chunk_settings_and_the_servers_default(pair):
 
     from retrace.runtime.options import RuntimeOptions
     from retrace.runtime.prefill_chunks import budget_for
-    from retrace.serve.cli import serving_defaults
 
     be = TorchBackend.from_dirs(*pair, max_batch=1, max_seq_len=96)
     assert [Runtime(be, None, prefill_chunk=c).scheduler().prefill_chunk for c in (None, 0, 5, "auto")] == [
@@ -96,8 +95,8 @@ def test_chunk_settings_and_the_servers_default(pair):
     for bad in (-1, "x", 2.5, True):
         with pytest.raises(RetraceError, match="prefill_chunk must be a number of tokens >= 0"):
             Runtime(be, None, prefill_chunk=bad)
-    assert serving_defaults(RuntimeOptions()).prefill_chunk == "auto"
-    assert serving_defaults(RuntimeOptions(prefill_chunk=0)).prefill_chunk == 0
+    assert RuntimeOptions().serving().prefill_chunk == "auto"
+    assert RuntimeOptions(prefill_chunk=0).serving().prefill_chunk == 0
 
 
 def test_a_request_cancelled_mid_prefill_frees_its_slot_for_the_next(pair):

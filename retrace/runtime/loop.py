@@ -258,23 +258,27 @@ class Scheduler:
         t0 = time.perf_counter()
         parts = next_chunks(reqs, self.prefill_chunk)
         groups = prefill_groups([stop - start for _, start, stop in parts], self.prefill_free_rows)
-        calls = [self._prefill_call([parts[i] for i in g]) for g in groups]
-        done = [r for _, rs in calls for r in rs]  # the completed prompts, in call order
-        if not done:
-            self.timing.prefill += time.perf_counter() - t0
-            return
-        first = torch.cat([f for f, rs in calls if rs])
-        flags = pending_flags(done, first.device)  # sampling rows: whose distribution was no distribution
-        firsts = read(first if flags is None else torch.stack([first, flags.to(first.dtype)]))  # the step's one read
-        if flags is not None:
-            firsts, bad = firsts
-            flag_errors(done, bad)
+        first_of = self._first_tokens([self._prefill_call([parts[i] for i in g]) for g in groups])
         self.timing.prefill += time.perf_counter() - t0
-        first_of = {r.rid: f for r, f in zip(done, firsts, strict=True)}
         for r in reqs:
             if r.rid in first_of:
                 r.anchor, r.anchor_pos = first_of[r.rid], len(r.prompt_ids)
                 self._commit(r, [r.anchor], events)
+
+    @staticmethod
+    def _first_tokens(calls: list[tuple[torch.Tensor | None, list[Request]]]) -> dict[int, int]:
+        """The prefill calls' (first tokens, completed requests) -> {rid: first token} in one read (none when no
+        prompt completed); a sampling row whose distribution was no distribution is flagged (sampling.py)."""
+        done = [r for _, rs in calls for r in rs]
+        if not done:
+            return {}
+        first = torch.cat([f for f, rs in calls if rs])
+        flags = pending_flags(done, first.device)
+        firsts = read(first if flags is None else torch.stack([first, flags.to(first.dtype)]))  # the step's one read
+        if flags is not None:
+            firsts, bad = firsts
+            flag_errors(done, bad)
+        return {r.rid: f for r, f in zip(done, firsts, strict=True)}
 
     def _prefill_call(self, parts: list[tuple[Request, int, int]]) -> tuple[torch.Tensor | None, list[Request]]:
         """One target call over prompt tokens [start, stop) of each request (padded to the longest) -> (the first

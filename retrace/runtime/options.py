@@ -114,6 +114,11 @@ class RuntimeOptions:
                                f"{backend.max_seq_len} (at most {backend.max_seq_len - 3})")
         return block_size
 
+    def serving(self) -> RuntimeOptions:
+        """What a server (`retrace serve`, the Triton model) runs with: its requests stream, so a long prompt is
+        prefilled in chunks unless prefill_chunk was given ("auto": 256 tokens a step on a CPU, 2048 on CUDA)."""
+        return self.replace(prefill_chunk="auto") if self.prefill_chunk is None else self
+
     def replace(self, **changes) -> RuntimeOptions:
         """A copy with these fields changed (checked again)."""
         return dataclasses.replace(self, **changes)

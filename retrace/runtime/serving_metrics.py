@@ -142,10 +142,10 @@ class _Collector:
                 buckets.append(("+Inf", cum))
                 fam.add_metric([mode], buckets, sum_value=total)
             yield fam
+        bounds = [str(b) for b in LATENCY_BUCKETS] + ["+Inf"]
         for key, (name, doc) in LATENCIES.items():
             fam = HistogramMetricFamily(name, doc, labels=["mode"])
             for mode, s in snap.items():
                 cum = list(itertools.accumulate(s[key]["counts"]))
-                bounds = [str(b) for b in LATENCY_BUCKETS] + ["+Inf"]
                 fam.add_metric([mode], list(zip(bounds, cum, strict=True)), sum_value=s[key]["sum"])
             yield fam

@@ -53,7 +53,7 @@ def serve(target, drafter, engine, backend, options, host, port, max_queue, chat
     check_finite(drain_timeout, "--drain-timeout", low=0.0)
     _Server = _server_class()
 
-    rt = build_runtime(target, drafter, engine, backend, serving_defaults(options))
+    rt = build_runtime(target, drafter, engine, backend, options.serving())
     codec_path = getattr(rt.codec, "path", None)
     chat = ChatTemplate.load(codec_path.parent if codec_path else None, chat_template)
     name = served_model_name or Path(engine or target).resolve().name
@@ -73,12 +73,6 @@ def serve(target, drafter, engine, backend, options, host, port, max_queue, chat
     server = _Server(config)
     server.on_exit = svc.begin_drain
     server.run()
-
-
-def serving_defaults(options):
-    """The RuntimeOptions `retrace serve` runs with: a server's requests stream, so a long prompt is prefilled in
-    chunks unless --prefill-chunk says otherwise ("auto": 256 tokens a step on a CPU, 2048 on CUDA)."""
-    return options.replace(prefill_chunk="auto") if options.prefill_chunk is None else options
 
 
 def _server_class():

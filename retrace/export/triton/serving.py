@@ -101,11 +101,11 @@ def create_runtime(
     if factory:
         return _import_callable(factory)(str(bundle_dir), backend=backend, max_batch=max_batch, **(options or {}))
     from retrace.runtime import Runtime  # imported here: only the real deployment needs torch/onnxruntime
+    from retrace.runtime.options import RuntimeOptions
 
-    # a server's requests stream: long prompts prefilled in chunks unless the options say (retrace serve's default)
-    options = {"prefill_chunk": "auto", **(options or {})}
-    return Runtime.from_bundle(str(bundle_dir), backend=backend, max_batch=max_batch, verify_policy=verify_policy,
-                               **options)
+    fields, backend_kwargs = RuntimeOptions.split(options or {})  # a server's defaults (RuntimeOptions.serving)
+    return Runtime.from_bundle(str(bundle_dir), backend=backend, options=RuntimeOptions.of(
+        max_batch=max_batch, verify_policy=verify_policy, **fields).serving(), **backend_kwargs)
 
 
 def _int_or_none(v: Any) -> int | None:
