@@ -109,6 +109,30 @@ def test_the_tree_builder_reads_the_host_once():
         assert tree.tokens[:, 0].tolist() == anchors
 
 
+def test_a_tree_over_a_draft_vocabulary_is_the_tree_over_its_expansion():
+    """With a draft vocabulary the tree takes its top-k in the draft space and maps it to target ids, and a
+    chain token outside the subset scores probability 0: the same tree as from the distribution expanded to
+    the target's vocabulary (0 outside), built without a pass over V."""
+    from retrace.runtime.draft_space import DraftSpace
+
+    g = torch.Generator().manual_seed(11)
+    N, S, V, Vd = 3, 5, 60, 12
+    ids = torch.randperm(V, generator=g)[:Vd].sort().values
+    space = DraftSpace(ids, V)
+    probs = torch.softmax(torch.randn(N, S, Vd, generator=g) * 3, -1)
+    outside = torch.tensor([t for t in range(V) if t not in set(ids.tolist())])
+    chains = {"suffix": ids[torch.randint(0, Vd, (N, S), generator=g)],  # in the subset
+              "target": torch.where(torch.rand(N, S, generator=g) < 0.5, ids[torch.randint(0, Vd, (N, S), generator=g)],
+                                    outside[torch.randint(0, len(outside), (N, S), generator=g)])}
+    chains["target"][1, 3:] = -1
+    for budget in (4, 9, 16):
+        tree = build_trees(probs, [1, 2, 3], budget, ("topk", "suffix", "target"), chains, space=space)
+        ref = build_trees(space.probs_full(probs), [1, 2, 3], budget, ("topk", "suffix", "target"), chains)
+        for f in ("tokens", "parent", "depth", "source", "size"):
+            assert torch.equal(getattr(tree, f), getattr(ref, f)), (budget, f)
+        assert torch.allclose(tree.score, ref.score)
+
+
 def test_ancestor_mask_and_greedy_accept_match_brute_force():
     g = torch.Generator().manual_seed(3)
     N, S, V = 4, 5, 3

@@ -34,6 +34,7 @@ import torch
 
 from retrace.errors import RetraceError
 from retrace.runtime.device import host_values, read, to_device
+from retrace.runtime.draft_space import DraftSpace
 
 SOURCES = ("topk", "suffix", "target")
 SOURCE_BITS = {"topk": 1, "suffix": 2, "target": 4}
@@ -120,9 +121,12 @@ class SourceRates:
 
 def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, sources: tuple[str, ...],
                 chains: dict[str, torch.Tensor] | None = None, rates: SourceRates | None = None,
-                sampled: torch.Tensor | None = None) -> DraftTree:
-    """draft_probs [N, S, V]: the drafter's distribution at slots 1..S; anchors [N] (host ints, or a tensor:
-    one more read); chains: source name ->
+                sampled: torch.Tensor | None = None, space: DraftSpace | None = None) -> DraftTree:
+    """draft_probs [N, S, Vd]: the drafter's distribution at slots 1..S over its draft space (`space`,
+    runtime/draft_space.py; None: the target's vocabulary): the top-k is taken there and mapped to target
+    ids, a chain token outside it has probability 0 (what the distribution expanded to the target's
+    vocabulary gives, without a pass over V); anchors [N] (host ints, or a tensor: one more read); chains:
+    source name ->
     [N, S] tokens at new slots 1..S (-1: none; a chain stops at its first -1). sampled [N, S]: the drafts of
     sampling rows (drawn from the drafter's processed distribution; -1 for greedy rows). -> DraftTree of
     <= budget nodes per row (depth <= S).
@@ -132,11 +136,12 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
     merging, scored without looking at the sampled tokens (s * rate of `topk` for a sampled node). So the
     tree's shape never depends on the sampled tokens, which the lossless rule of runtime/tree_accept.py
     needs (a sampled child is then a plain draw from q)."""
-    N, S, V = draft_probs.shape
+    N, S, Vd = draft_probs.shape
+    space = space if space is not None and not space.full else None
     rates = rates or SourceRates()
     use_topk = "topk" in sources
     chain_names = [s for s in ("suffix", "target") if s in sources and chains is not None and s in chains]
-    kmax = min(budget, V)
+    kmax = min(budget, Vd)
     q = draft_probs.float()
     # what the host walk needs, read at once: the top-k, each chain and the drafter's probability of its
     # tokens (for the score s * max(q, rate)), the sampled drafts; as float64 (token ids and float32
@@ -144,10 +149,12 @@ def build_trees(draft_probs: torch.Tensor, anchors: torch.Tensor, budget: int, s
     parts: dict[str, torch.Tensor] = {}
     if use_topk and S:
         top = torch.topk(q, kmax, dim=-1)
-        parts["top_p"], parts["top_t"] = top.values, top.indices
+        parts["top_p"], parts["top_t"] = top.values, top.indices if space is None else space.tokens(top.indices)
     for s in chain_names:
         c = chains[s][:, :S]
-        parts[s], parts["q_" + s] = c, q.gather(2, c.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        at = c.clamp_min(0) if space is None else space.index_of(c.clamp_min(0))
+        qc = q.gather(2, at.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        parts[s], parts["q_" + s] = c, qc if space is None else torch.where(at >= 0, qc, 0.0)
     if sampled is not None:
         parts["sampled"] = sampled[:, :S]
     host = _read_rows(parts, N)

@@ -32,10 +32,10 @@ class DrafterTree:
         sampling = [qi is not None for qi in q]
         sampled = (torch.where(to_device(sampling, batch.device).unsqueeze(1), top1, -1)
                    if any(sampling) else None)
-        space = self.drafter.space  # the tree's sources and nodes are target ids: its distribution is over V
-        probs = space.logits_full(draft_logits).float().softmax(-1)
+        space = self.drafter.space  # the tree's nodes are target ids; its distribution stays over the draft space
+        probs = draft_logits.float().softmax(-1)
         tree = build_trees(probs, [r.anchor for r in batch.reqs], self.budget, self.sources,
-                           self.memory.trajectory(batch.slots), self.rates, sampled=sampled)
+                           self.memory.trajectory(batch.slots), self.rates, sampled=sampled, space=space)
         tree = tree.truncate(self.policy.choose_tree(batch.mode, tree))
         return Proposal("tree", self, top1, None, S, q, hidden, draft_logits, space, tree,
                         marks=(start, drafted, self.clock.mark()), context=context)
