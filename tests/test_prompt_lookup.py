@@ -35,7 +35,8 @@ def test_index_finds_the_most_recent_longest_match():
     none = _Req([1, 2, 3, 4], slot=1)
     sampling = _Req([1, 2, 1], slot=2, temperature=1.0)
     drafts, lengths = lk.propose([none, sampling], 8)
-    assert lengths.tolist() == [0, 0]  # no earlier occurrence; a sampling row takes none
+    assert lengths.tolist() == [0, 2] and drafts[1].tolist() == [2, 1]  # no earlier occurrence; "1" -> "2 1"
+    assert lk._sampling == [False, True]  # a sampling row's lookup is weighed by its own estimate
     assert PromptLookup(max_rows=1).propose([r, none], 8)[1].tolist() == [0, 0]  # rounds of more rows: none
     assert PromptLookup().max_rows == 8  # the default (docs/bench/prompt-lookup.md, 2026-12-06)
     lk.clear(0)

@@ -5,8 +5,10 @@ the round can still verify a few tokens for almost nothing: the continuation of 
 request's prompt and output where its last n tokens already occurred (n from `max_ngram` down to
 `min_ngram`; the most recent occurrence wins). That costs no forward pass at all, only a verify a few
 tokens wider, which on a bandwidth-bound CPU target is close to the price of one decode step; code
-edits, quoting and retrieval-heavy prompts repeat long spans. Verification is the same greedy check as
-for the drafter's tokens, so the output stays the target's own.
+edits, quoting and retrieval-heavy prompts repeat long spans. Verification is the same as for the drafter's
+tokens, so the output stays the target's own: the greedy check, and for a sampling row speculative sampling
+with each copied token as a point mass (q(d) = 1: d is kept with the target's processed probability p(d), and a
+rejection samples max(0, p - q) normalised, p without d), as vLLM's rejection sampler treats n-gram drafts.
 
 How many lookup tokens a round verifies is cost-aware (`choose`): with a per-token acceptance estimate
 `a` (decayed hit/miss counts of earlier lookup rounds, kept per matched n-gram size: a row's proposal is
@@ -14,8 +16,9 @@ weighed by the rate of matches of its size; with `explore`, the default, by a dr
 Beta(hits, misses) posterior, Thompson sampling, instead of its mean) and the policy's verify cost curve t(T), the
 round verifies the K that maximises (N + sum over rows of a + ... + a^min(L_i, K)) / t(N, K + 1), L_i
 being row i's proposal length; K = 0 is a plain decoding step (a policy without a cost model verifies every
-proposal whole). Greedy rows only: a sampling row takes no lookup tokens (verified 0). Rounds of more
-than `max_rows` rows (default 8) take none. At the Qwen3-0.6B shape on 2 CPU cores (docs/bench/prompt-lookup.md,
+proposal whole). Greedy and sampling rows keep separate estimates (a greedy row keeps a token the target
+ranks first, a sampling row one with the target's probability of it). Rounds of more than `max_rows` rows
+(default 8) take none. At the Qwen3-0.6B shape on 2 CPU cores (docs/bench/prompt-lookup.md,
 2026-12-06), fp32: 16 requests through 4 slots 1.21x plain decoding with lookup in rounds of up to 4 rows
 against 1.16x with 1 (the drafter alone 1.10x); 24 requests through 8 slots 1.14x with up to 8 rows against
 1.03x with 4 (one cold run; two warm runs of the 8-row default, 2026-12-07: 1.09x). int4, where each verify row
@@ -91,8 +94,10 @@ class PromptLookup:
         self.decay = decay
         self.hits, self.misses = prior  # decayed counts of accepted / rejected lookup tokens
         self.by_size = {n: list(prior) for n in self.sizes}  # the same per matched n-gram size (a longer match
-        #   is the likelier continuation): what `best` weighs each row's proposal by
+        #   is the likelier continuation), greedy rows: what `best` weighs each row's proposal by
+        self.by_size_sampling = {n: list(prior) for n in self.sizes}  # the same for sampling rows
         self._matched: list[int] = []  # the matched size per row of the last `propose` (0: no proposal)
+        self._sampling: list[bool] = []  # per row of the last `propose`: a sampling row
         self.index: dict[int, _Index] = {}  # slot -> the request's tokens so far
         self.explore = explore  # weigh each size by a draw from its Beta(hits, misses) posterior, not its mean
         self.rng = random.Random(seed)  # the draws' own generator: the same choices in every run of a process
@@ -102,15 +107,18 @@ class PromptLookup:
     def accept_rate(self) -> float:
         return self.hits / (self.hits + self.misses)
 
-    def size_rate(self, n: int) -> float:
-        """The decayed per-token acceptance of proposals from an n-token match."""
-        hits, misses = self.by_size[n]
+    def size_rate(self, n: int, sampling: bool = False) -> float:
+        """The decayed per-token acceptance of proposals from an n-token match (of greedy or sampling rows)."""
+        hits, misses = self._counts(sampling)[n]
         return hits / (hits + misses)
 
-    def _draw(self, n: int) -> float:
+    def _counts(self, sampling: bool) -> dict[int, list[float]]:
+        return self.by_size_sampling if sampling else self.by_size
+
+    def _draw(self, n: int, sampling: bool = False) -> float:
         """A draw from size n's Beta(hits, misses), the counts floored above 0 (betavariate refuses 0: a
         `prior` of (0, m) or (h, 0), the decayed counts of a size that never hit, or always did)."""
-        hits, misses = self.by_size[n]
+        hits, misses = self._counts(sampling)[n]
         return self.rng.betavariate(max(hits, 1e-9), max(misses, 1e-9))
 
     def clear(self, slot: int) -> None:
@@ -128,19 +136,13 @@ class PromptLookup:
         return found
 
     def propose(self, reqs, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (drafts [N, L] int64 padded with 0, lengths [N]) from each greedy request's own tokens, both on
-        the host (the lengths with their host copy: `best` reads nothing)."""
-        self._matched = []
+        """-> (drafts [N, L] int64 padded with 0, lengths [N]) from each request's own tokens, both on the host
+        (the lengths with their host copy: `best` reads nothing)."""
+        self._matched, self._sampling = [], [not r.params.greedy for r in reqs]
         if len(reqs) > self.max_rows:
             self._matched = [0] * len(reqs)
             return torch.zeros(len(reqs), 0, dtype=torch.int64, device=CPU), index_tensor([0] * len(reqs), CPU)
-        props = []
-        for r in reqs:
-            if r.params.temperature <= 0:
-                props.append(self._tokens(r)[:max_tokens])
-            else:
-                props.append([])
-                self._matched.append(0)
+        props = [self._tokens(r)[:max_tokens] for r in reqs]
         L = max(len(p) for p in props)
         drafts = torch.tensor([p + [0] * (L - len(p)) for p in props], dtype=torch.int64, device=CPU)
         return drafts, index_tensor([len(p) for p in props], CPU)
@@ -158,9 +160,10 @@ class PromptLookup:
             return L, None if cost is None else 1.0
         N = len(lengths)
         sizes = self._matched if len(self._matched) == N else [0] * N  # lengths not from `propose`: pooled
-        draws = {m: self._draw(m) if self.explore else self.size_rate(m)
-                for m in sorted(set(sizes) - {0})}  # one draw per size and round, shared by its rows
-        a = [draws[m] if m else self.accept_rate for m in sizes]
+        keys = list(zip(sizes, self._row_kinds(N), strict=True))
+        draws = {k: self._draw(*k) if self.explore else self.size_rate(*k)
+                 for k in sorted(set(keys)) if k[0]}  # one draw per size, row kind and round, shared by its rows
+        a = [draws[k] if k[0] else self.accept_rate for k in keys]
         best, plain = 0, N / cost.verify(N, 1)
         best_rate = plain
         for k in range(1, L + 1):
@@ -182,12 +185,14 @@ class PromptLookup:
         self.hits = self.decay * self.hits + hits
         self.misses = self.decay * self.misses + misses
         sizes = self._matched if len(self._matched) == len(verified) else [0] * len(verified)
-        for n in self.by_size:  # the rows of the proposal verified, by the size each matched at
-            rows = [(v, a) for v, a, m in zip(verified, accepted, sizes, strict=True) if v > 0 and m == n]
-            if rows:
-                c = self.by_size[n]
-                c[0] = self.decay * c[0] + sum(a for _, a in rows)
-                c[1] = self.decay * c[1] + sum(a < v for v, a in rows)
+        kinds = self._row_kinds(len(verified))
+        for sampling in (False, True):  # the rows of the proposal verified, by row kind and matched size
+            for n, c in self._counts(sampling).items():
+                rows = [(v, a) for v, a, m, k in zip(verified, accepted, sizes, kinds, strict=True)
+                        if v > 0 and m == n and k == sampling]
+                if rows:
+                    c[0] = self.decay * c[0] + sum(a for _, a in rows)
+                    c[1] = self.decay * c[1] + sum(a < v for v, a in rows)
         self.rounds += 1
         self.verified += sum(verified)
         self.accepted += hits
@@ -197,4 +202,9 @@ class PromptLookup:
                 "max_rows": self.max_rows, "first": self.first, "explore": self.explore,
                 "rounds": self.rounds, "verified": self.verified, "accepted": self.accepted,
                 "accept_rate_estimate": round(self.accept_rate, 4),
-                "accept_rate_by_ngram": {n: round(self.size_rate(n), 4) for n in self.sizes}}
+                "accept_rate_by_ngram": {n: round(self.size_rate(n), 4) for n in self.sizes},
+                "accept_rate_by_ngram_sampling": {n: round(self.size_rate(n, True), 4) for n in self.sizes}}
+
+    def _row_kinds(self, N: int) -> list[bool]:
+        """Per row of the last `propose`: a sampling row (all greedy when the rows are not from it)."""
+        return self._sampling if len(self._sampling) == N else [False] * N

@@ -115,20 +115,26 @@ def sample_drafts(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.multinomial(q, 1, generator=gen).squeeze(1)
 
 
-def speculative_accept(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row. p [K+1, V] target probs, q [K, V] proposal probs, drafts [K] -> (accepted a, bonus token),
-    0-dim tensors on p's device (no read back: the loop reads the round once)."""
+    """One row. p [K+1, V] target probs, q [K, V] proposal probs (None: each draft a point mass, q(d) = 1:
+    prompt lookup's copied tokens), drafts [K] -> (accepted a, bonus token), 0-dim tensors on p's device (no
+    read back: the loop reads the round once)."""
     K = drafts.shape[0]
     if not K:
         return torch.zeros((), dtype=torch.int64, device=p.device), torch.multinomial(p[0], 1, generator=gen)[0]
     idx = torch.arange(K, device=p.device)
-    p_d, q_d = p[idx, drafts], q[idx, drafts]
+    p_d = p[idx, drafts]
+    q_d = q[idx, drafts] if q is not None else torch.ones_like(p_d)
     u = torch.rand(K, generator=gen, device=p.device)
     a = (u * q_d <= p_d).to(torch.int64).cumprod(0).sum()
     # rejected at slot a < K: norm(max(0, p_a - q_a)) (p_a where that is all zero); all accepted: p_K
-    q_pad = torch.cat([q, torch.zeros_like(q[:1])])
-    residual = (p[a] - q_pad[a]).clamp_min(0)
+    if q is None:  # q_a: the point mass at d_a (none after the last draft)
+        q_a = torch.zeros_like(p[0]).scatter(0, torch.cat([drafts, drafts[:1]])[a].view(1),
+                                             (a < K).to(p.dtype).view(1))
+    else:
+        q_a = torch.cat([q, torch.zeros_like(q[:1])])[a]
+    residual = (p[a] - q_a).clamp_min(0)
     total = residual.sum()
     dist = torch.where((a < K) & (total > 0), residual / total.clamp_min(1e-30), p[a])
     return a, torch.multinomial(dist, 1, generator=gen)[0]

@@ -72,7 +72,8 @@ class VerifyAndAccept:
 
 
 def accept_chain(logits, drafts, q, reqs, verified):
-    """logits [N, K+1, V], drafts [N, K]; row i judges only its first verified[i] drafts (None: all K).
+    """logits [N, K+1, V], drafts [N, K]; row i judges only its first verified[i] drafts (None: all K); q [N]
+    of [K, V] the proposal distributions of sampling rows (None, or a None row: the drafts are point masses).
     -> (accepted [N], bonus [N], the target's argmax [N, K+1]); sampling rows overwrite the first two."""
     K = drafts.shape[1]
     ks = host_values(verified) if verified is not None else [K] * len(reqs)
@@ -82,8 +83,8 @@ def accept_chain(logits, drafts, q, reqs, verified):
     for i, (r, p) in enumerate(zip(reqs, row_probs(logits, reqs), strict=True)):
         if p is not None:
             k = ks[i]
-            accepted[i], bonus[i] = speculative_accept(p[: k + 1], q[i][:k] if q is not None else p[:0], drafts[i, :k],
-                                                       r.generator)
+            qi = q[i][:k] if q is not None and q[i] is not None else None  # None: point masses (prompt lookup)
+            accepted[i], bonus[i] = speculative_accept(p[: k + 1], qi, drafts[i, :k], r.generator)
     return accepted, bonus, target_argmax
 
 
