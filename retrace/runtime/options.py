@@ -49,7 +49,7 @@ class RuntimeOptions:
     prompt_lookup: bool | str | PromptLookup = "first"  # "first" (PromptLookup(first=True), the default): in
     #   rounds without a drafter call, and instead of a draft call where it is expected to commit faster, verify
     #   drafts copied from the request's own tokens (runtime/prompt_lookup.py, runtime/proposers/lookup_first.py;
-    #   dflash and retrace modes, greedy rows of rounds of up to 8 rows); True (or a PromptLookup): only in rounds
+    #   dflash and retrace modes, rounds of up to 8 rows); True (or a PromptLookup): only in rounds
     #   without a drafter call; False: never (what measures the drafter alone: `retrace eval`, training
     #   rollouts, the bench's drafter-only systems)
     eos_ids: tuple[int, ...] | None = None  # tokens that end a request; None: the target's eos_token_ids

@@ -10,7 +10,7 @@ any round without a draft call). Glossary:
                  then the drafter drafts).
 Both are expectations from the same cost model, so they compare; suffix decoding's hybrid with a model drafter
 (Arctic Inference) makes the same choice by a score threshold. Lossless either way: a round verifies what one
-proposer offers with the same greedy check."""
+proposer offers with the same acceptance rule (greedy, or speculative sampling: runtime/sampling.py)."""
 
 from __future__ import annotations
 
