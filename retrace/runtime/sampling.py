@@ -19,7 +19,6 @@ from retrace.runtime.argmax_op import argmax as argmax_op
 from retrace.runtime.device import to_device
 from retrace.runtime.sampling_params import SamplingParams  # re-exported (defined without torch)
 
-
 TIE_ROOM = 16  # top-k with top-p: candidates beyond the k-th kept for logits tied with it
 
 
