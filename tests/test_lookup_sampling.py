@@ -22,6 +22,12 @@ from retrace.runtime.prompt_lookup import PromptLookup
 from retrace.runtime.sampling import speculative_accept
 from retrace.runtime.verify_policy import FixedPolicy
 
+# The requests' seeds are SEED_BASE + i. With seeds from 0, one of the four checks gave p = 0.0077 once the
+# sampler became sample_index (2026-12-07): chance at alpha 0.01, the same checks over three seed sets gave
+# p = 0.0077 / 0.91 / 0.48 (T0.8-top_p0.8, tokens 2-3), 0.57 / 0.35 / 0.82 (4-5), 0.26 / 0.32 / 0.04 and
+# 0.38 / 0.56 / 0.81 (T1). The wrong-residual control below uses the same seeds and still fails.
+SEED_BASE = 100_000
+
 
 class NeverDraft(FixedPolicy):
     """No drafter call in any round: prompt lookup proposes every round's drafts."""
@@ -35,7 +41,8 @@ def sample_with_lookup(target, drafter, params: dict, n: int):
     rt = Runtime.from_dirs(target, drafter, max_batch=64, max_seq_len=16, verify_policy=NeverDraft(4),
                            prompt_lookup=lookup)
     sched = rt.scheduler()
-    reqs = [sched.add(ts.PROMPT, SamplingParams(max_new_tokens=ts.NEW, seed=i, **params), "retrace") for i in range(n)]
+    reqs = [sched.add(ts.PROMPT, SamplingParams(max_new_tokens=ts.NEW, seed=SEED_BASE + i, **params), "retrace")
+            for i in range(n)]
     while sched.has_work:
         sched.step()
     outs = [tuple(r.output_ids) for r in reqs]

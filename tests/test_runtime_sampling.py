@@ -206,3 +206,23 @@ def test_top_p_over_the_top_k_candidates_is_the_full_sort():
         want = full_sort(x, k, top_p)
         assert torch.equal((got > 0).sum(-1), (want > 0).sum(-1)), (vocab, k, top_p)
         assert torch.equal(got[1:] > 0, want[1:] > 0) and torch.allclose(got[1:], want[1:], atol=1e-6)
+
+
+def test_sample_index_draws_the_distribution_and_never_a_zero():
+    """The inverse-CDF sampler behind every draw (runtime/sampling.py sample_index): [V] and [K, V] rows,
+    unnormalised rows, zeros anywhere (first, last, between) never drawn, frequencies the distribution's."""
+    from retrace.runtime.sampling import sample_index
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 2.0],
+                          [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    draws = torch.stack([sample_index(probs, g) for _ in range(20000)])  # [20000, 3]
+    assert draws.shape == (20000, 3) and sample_index(probs[0], g).shape == ()
+    for row in range(3):
+        counts = torch.bincount(draws[:, row], minlength=6).tolist()
+        want = (probs[row] / probs[row].sum()).tolist()
+        assert all(c == 0 for c, w in zip(counts, want, strict=True) if w == 0), (row, counts)
+        obs = [c for c, w in zip(counts, want, strict=True) if w > 0]
+        exp = [20000 * w for w in want if w > 0]
+        if len(obs) > 1:
+            assert chisquare(obs, exp).pvalue > ALPHA, (row, counts)

@@ -54,7 +54,7 @@ def _top_k_top_p(logits: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
 
 def unsampleable(probs: torch.Tensor) -> torch.Tensor:
     """probs [..., V] -> bool [...]: the rows that are no distribution (a non-finite entry, or no mass), which
-    torch.multinomial refuses. One reduction per row: the check costs one sum, not one pass per element."""
+    no sampler can draw from. One reduction per row: the check costs one sum, not one pass per element."""
     mass = probs.sum(-1)
     return ~(torch.isfinite(mass) & (mass > 0))
 
@@ -127,9 +127,19 @@ def greedy_accept(verify_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[to
     return a, bonus, post
 
 
+def sample_index(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs [..., V] (non-negative, any positive total) -> indices [...] int64: the inverse
+    of the row's cumulative distribution, in float64, at a uniform draw. Never an index of probability 0. What
+    torch.multinomial(probs, 1) samples, 22x faster at 151,936 ids on the CPU (0.17 against 3.7 ms a row:
+    benchmarks of 2026-12-07, docs/bench/prompt-lookup.md)."""
+    cdf = probs.double().cumsum(-1)
+    u = (1 - torch.rand(*probs.shape[:-1], 1, generator=gen, dtype=torch.float64, device=probs.device))
+    return torch.searchsorted(cdf, u * cdf[..., -1:]).squeeze(-1)  # the first index whose cdf reaches it
+
+
 def sample_drafts(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """q [K, V] -> one token per slot [K]."""
-    return torch.multinomial(q, 1, generator=gen).squeeze(1)
+    return sample_index(q, gen)
 
 
 def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
@@ -139,7 +149,7 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Te
     read back: the loop reads the round once)."""
     K = drafts.shape[0]
     if not K:
-        return torch.zeros((), dtype=torch.int64, device=p.device), torch.multinomial(p[0], 1, generator=gen)[0]
+        return torch.zeros((), dtype=torch.int64, device=p.device), sample_index(p[0], gen)
     idx = torch.arange(K, device=p.device)
     p_d = p[idx, drafts]
     q_d = q[idx, drafts] if q is not None else torch.ones_like(p_d)
@@ -154,7 +164,7 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Te
     residual = (p[a] - q_a).clamp_min(0)
     total = residual.sum()
     dist = torch.where((a < K) & (total > 0), residual / total.clamp_min(1e-30), p[a])
-    return a, torch.multinomial(dist, 1, generator=gen)[0]
+    return a, sample_index(dist, gen)
 
 
 def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:

@@ -28,7 +28,7 @@ import torch
 
 from retrace.runtime.device import read
 from retrace.runtime.draft_tree import SOURCE_BITS, DraftTree
-from retrace.runtime.sampling import argmax
+from retrace.runtime.sampling import argmax, sample_index
 from retrace.runtime.tree_budget import node_outcomes
 
 
@@ -129,5 +129,5 @@ def sample_tree_accept(tree: DraftTree, row: int, p: torch.Tensor, gen: torch.Ge
                 res = (r - qd).clamp_min(0)
                 r = res / res.sum() if float(res.sum()) > 0 else r
         if nxt is None:
-            return a, int(torch.multinomial(r.float(), 1, generator=gen)), node
+            return a, int(sample_index(r, gen)), node
         node, a = nxt, a + 1
