@@ -48,6 +48,30 @@ def run(base: Runtime, name: str, prompts: list[list[int]], params: dict, batch:
     return row
 
 
+def run_genai(model, name: str, prompts: list[list[int]], params: dict) -> dict:
+    """onnxruntime-genai sampled at the same settings, batch 1, in this process (its own threads: the model
+    directory's genai_config.json); `ortgenai-ngram` its n-gram speculation (ngram 4, 2 drafts: what the
+    greedy bench's tuning chose on this shape, docs/bench/qwen3-0.6b-int4-intel-2026-12-07.md)."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    t0, tokens = time.perf_counter(), 0
+    for i, p in enumerate(prompts):
+        gp = og.GeneratorParams(model)
+        gp.set_search_options(max_length=len(p) + params["max_new_tokens"], do_sample=True, random_seed=i,
+                              temperature=params["temperature"], top_p=params["top_p"], top_k=params["top_k"])
+        if name == "ortgenai-ngram":
+            gp.set_speculative_options(ngram_size=4, max_draft_tokens=2, min_adaptive_k=0)
+        gen = og.Generator(model, gp)
+        gen.append_tokens(np.array([p], dtype=np.int32))
+        while not gen.is_done():
+            gen.generate_next_token()
+        tokens += len(gen.get_sequence(0)) - len(p)
+        del gen
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "tau": None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", required=True)
@@ -61,6 +85,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--genai", help="an onnxruntime-genai model directory: also run ortgenai-ar and -ngram sampled")
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -68,11 +93,18 @@ def main() -> None:
     prompts = [p.ids for p in load_prompts([a.prompts], base.codec, a.limit)]
     params = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     names = a.systems.split(",")
+    genai = None
+    if a.genai:
+        import onnxruntime_genai as og
+
+        genai = og.Model(a.genai)
+        names += ["ortgenai-ar", "ortgenai-ngram"]
     run(base, names[0], prompts[:1], params, 1)  # warm-up
     results: dict[str, list[dict]] = {n: [] for n in names}
     for _ in range(a.runs):
         for n in names:
-            results[n].append(run(base, n, prompts, params, a.batch))
+            results[n].append(run_genai(genai, n, prompts, params) if n.startswith("ortgenai")
+                              else run(base, n, prompts, params, a.batch))
             r = results[n][-1]
             print(f"{n:22s} {r['tokens_per_s']:6.1f} tok/s  tau {r['tau'] or 0:.2f}"
                   + (f"  lookup rounds {r['lookup']['rounds']}, accepted {r['lookup']['accepted']} of "
