@@ -18,6 +18,7 @@ import torch
 from retrace.runtime.argmax_op import argmax as argmax_op
 from retrace.runtime.device import to_device
 from retrace.runtime.sampling_params import SamplingParams  # re-exported (defined without torch)
+from retrace.runtime.top_p_op import top_p_probs
 
 TIE_ROOM = 16  # top-k with top-p: candidates beyond the k-th kept for logits tied with it
 
@@ -31,11 +32,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p  # mass before this token already enough
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        return top_p_probs(logits, params.top_p)  # runtime/top_p_op.py: on the CPU no sort of the vocabulary
     return logits.softmax(-1)
 
 
