@@ -1,4 +1,5 @@
-"""Top-p (nucleus) filtering as one torch operator, `torch.ops.retrace.top_p(logits, top_p)` -> the processed
+"""Top-p (nucleus) filtering without a sort of the vocabulary: with top-k, over its candidates (`top_k_top_p`);
+alone, as one torch operator, `torch.ops.retrace.top_p(logits, top_p)` -> the processed
 probabilities [..., V]: the smallest prefix of the logits sorted high to low whose mass reaches top_p is kept
 (a token is dropped when the mass before it already reaches top_p, transformers' rule), renormalised.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 FIRST_CANDIDATES = 256
+TIE_ROOM = 16  # top-k with top-p: candidates beyond the k-th kept for logits tied with it
 
 _lib = torch.library.Library("retrace", "FRAGMENT")
 _lib.define("top_p(Tensor logits, float top_p) -> Tensor")
@@ -54,6 +56,17 @@ def by_candidates(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return (by_candidates if logits.device.type == "cpu" else by_sort)(logits, top_p)
+
+
+def top_k_top_p(logits: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p over the top-k's candidates only: the k largest logits (and up to TIE_ROOM more tied
+    with the k-th, which top-k keeps too), already in descending order, so top-p needs no sort of the
+    vocabulary on any device (at 151,936 ids: 4.8 -> ~0.7 ms a row on 2 CPU cores). The same distribution as
+    top-k's mask followed by the full sort, unless more than TIE_ROOM logits tie with the k-th."""
+    vals, idx = torch.topk(logits, min(logits.shape[-1], k + TIE_ROOM), dim=-1)
+    vals = vals.masked_fill(vals < vals[..., k - 1: k], float("-inf"))  # top-k: every logit >= the k-th
+    kept = _sorted_nucleus(vals, vals.softmax(-1), top_p)
+    return torch.zeros_like(logits).scatter(-1, idx, kept.softmax(-1))
 
 
 _lib.impl("top_p", _top_p, "CompositeExplicitAutograd")
