@@ -27,16 +27,17 @@ from retrace.bench.prompts import load_prompts  # noqa: E402
 from retrace.runtime import Runtime, SamplingParams  # noqa: E402
 from retrace.runtime.prompt_lookup import PromptLookup  # noqa: E402
 
-SYSTEMS = {"ar": ("ar", False), "retrace": ("retrace", False), "retrace-lookup-first": ("retrace", "first")}
+SYSTEMS = {"ar": ("ar", False), "retrace": ("retrace", False), "retrace-lookup-first": ("retrace", True)}
 
 
-def run(base: Runtime, name: str, prompts: list[list[int]], params: dict, batch: int) -> dict:
-    mode, lookup = SYSTEMS[name]
-    lookup = PromptLookup(first=True) if lookup == "first" else False
+def run(base: Runtime, name: str, prompts: list[list[int]], params: dict) -> dict:
+    """All prompts queued at once through the backend's slots (--batch)."""
+    mode, first = SYSTEMS[name]
+    lookup = PromptLookup(first=True) if first else False
     rt = Runtime(base.backend, base.codec, prompt_lookup=lookup)
     sched = rt.scheduler()
     t0 = time.perf_counter()
-    reqs = [sched.add(p, SamplingParams(seed=i, **params), mode) for i, p in enumerate(prompts)]  # `batch` slots
+    reqs = [sched.add(p, SamplingParams(seed=i, **params), mode) for i, p in enumerate(prompts)]
     while sched.has_work:
         sched.step()
     wall = time.perf_counter() - t0
@@ -99,12 +100,12 @@ def main() -> None:
 
         genai = og.Model(a.genai)
         names += ["ortgenai-ar", "ortgenai-ngram"]
-    run(base, names[0], prompts[:1], params, 1)  # warm-up
+    run(base, names[0], prompts[:1], params)  # warm-up
     results: dict[str, list[dict]] = {n: [] for n in names}
     for _ in range(a.runs):
         for n in names:
             results[n].append(run_genai(genai, n, prompts, params) if n.startswith("ortgenai")
-                              else run(base, n, prompts, params, a.batch))
+                              else run(base, n, prompts, params))
             r = results[n][-1]
             print(f"{n:22s} {r['tokens_per_s']:6.1f} tok/s  tau {r['tau'] or 0:.2f}"
                   + (f"  lookup rounds {r['lookup']['rounds']}, accepted {r['lookup']['accepted']} of "

@@ -119,11 +119,6 @@ def sample_index(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u * cdf[..., -1:]).squeeze(-1)  # the first index whose cdf reaches it
 
 
-def sample_drafts(q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """q [K, V] -> one token per slot [K]."""
-    return sample_index(q, gen)
-
-
 def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One row. p [K+1, V] target probs, q [K, V] proposal probs (None: each draft a point mass, q(d) = 1:

@@ -11,7 +11,7 @@ from retrace.runtime.device import index_tensor
 from retrace.runtime.draft_space import DraftSpace
 from retrace.runtime.proposers.base import Proposal, RoundBatch, ranges
 from retrace.runtime.proposers.context import context
-from retrace.runtime.sampling import argmax, row_probs, sample_drafts
+from retrace.runtime.sampling import argmax, row_probs, sample_index
 
 
 class DrafterCall:
@@ -53,7 +53,7 @@ def propose_tokens(draft_logits: torch.Tensor, reqs: list, space: DraftSpace | N
     q = row_probs(draft_logits, reqs)
     for i, r in enumerate(reqs):
         if q[i] is not None:
-            index[i] = sample_drafts(q[i], r.generator)
+            index[i] = sample_index(q[i], r.generator)  # one token per slot
     if space is None or space.full:
         return index, q
     return space.tokens(index), [qi if qi is None else space.probs_full(qi) for qi in q]
