@@ -184,3 +184,46 @@ def test_a_worker_whose_parent_goes_away_closes_its_systems(monkeypatch):
     out = io.StringIO()
     worker._serve(io.StringIO(json.dumps(req) + "\n"), out)  # then end of input, no close
     assert json.loads(out.getvalue().splitlines()[0])["ok"] and held.closed == 1
+
+
+def test_a_sampled_run_sends_every_request_its_sampling_and_seed(monkeypatch, tmp_path):
+    """retrace.bench.decoding reaches llama-server: each /completion carries the run's temperature, top-p, top-k,
+    min-p 0, the seed of its prompt and the others' sampler order; a greedy run sends temperature 0."""
+    from retrace.bench.decoding import Decoding
+
+    seen = tmp_path / "bodies.jsonl"
+    fake = tmp_path / "bin" / "llama-server"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!{sys.executable}
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open({str(seen)!r}, "a") as f:
+            f.write(json.dumps(body) + "\\n")
+        out = json.dumps({{"tokens": [7] * body["n_predict"], "timings": {{}}}}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(out))); self.end_headers()
+        self.wfile.write(out)
+    def log_message(self, *a):
+        pass
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(fake.parent))
+    for decoding in (Decoding(temperature=0.7, top_p=0.8, top_k=20, seed=5), Decoding()):
+        system = ls.LlamaServerSystem("llamacpp-server-ar-q4_k_m", tmp_path / "m.gguf", 1, 64, tmp_path / "logs",
+                                      decoding=decoding)
+        try:
+            out = system.run([[1, 2], [3, 4, 5]], 4, 1)
+        finally:
+            system.close()
+        assert out.outputs == [[7] * 4, [7] * 4]
+    bodies = [json.loads(line) for line in seen.read_text().splitlines()]
+    sampled = [{k: b[k] for k in ("temperature", "top_p", "top_k", "min_p", "seed", "samplers")} for b in bodies[:2]]
+    assert sampled == [{"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "seed": s,
+                        "samplers": ["top_k", "temperature", "top_p"]} for s in (5, 6)]
+    assert all(b["temperature"] == 0.0 and b["top_k"] == 1 and "seed" not in b for b in bodies[2:])
+    assert all(b["ignore_eos"] and b["n_predict"] == 4 and not b["cache_prompt"] for b in bodies)

@@ -53,6 +53,10 @@ class BenchConfig:
     compile_steps: bool = False  # the torch backend's steps under torch.compile
     cuda_graphs: bool | None = None  # the torch backend's CUDA graphs (None: on CUDA; False: --no-cuda-graphs)
     row_invariant: bool = True  # our bundles' calls row-invariant (False: --no-row-invariance; runtime/row_invariance)
+    temperature: float = 0.0  # every system's decoding (retrace.bench.decoding): 0 greedy, else sampled at
+    top_p: float = 1.0  #   these settings by each library's own sampler
+    top_k: int = 0
+    seed: int = 0
     command: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -73,7 +77,10 @@ class BenchConfig:
             raise RetraceError("--runs must be at least 1")
         if self.threads is not None and self.threads < 1:
             raise RetraceError("--threads must be positive")
+        from retrace.bench.decoding import Decoding
         from retrace.bench.envs import POLICIES
+
+        Decoding.of(self)  # the request check's errors (e.g. "top_p must be in (0, 1]")
 
         if self.peer_env not in POLICIES:
             raise RetraceError(f"--peer-env must be one of {', '.join(POLICIES)}, got {self.peer_env!r}")

@@ -53,6 +53,7 @@ def _retrace_names(backend: str, cfg: BenchConfig, suffix: str = "") -> list[tup
 
 def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig, suffix: str = "") -> None:
     timers = ForwardTimers(rt.backend)
+    from retrace.bench.decoding import Decoding
     from retrace.bench.systems import RetraceSystem
     from retrace.runtime import Runtime
 
@@ -80,7 +81,7 @@ def _retrace_systems(built: Built, rt, backend: str, cfg: BenchConfig, suffix: s
         if policy not in runtimes:
             runtimes[policy] = Runtime(rt.backend, rt.codec, block_size=rt.block_size, verify_policy=policy,
                                        prompt_lookup=False)  # the drafter alone: lookup has systems of its own
-        built.systems.append(RetraceSystem(runtimes[policy], backend, mode, timers, name))
+        built.systems.append(RetraceSystem(runtimes[policy], backend, mode, timers, name, Decoding.of(cfg)))
 
 
 def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: int, log,
@@ -119,6 +120,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
         from transformers import AutoModel, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        from retrace.bench.decoding import Decoding
         from retrace.bench.systems import HFArSystem, HFDFlashSystem
 
         hf_logging.set_verbosity_error()
@@ -129,7 +131,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
         if pad is None:
             pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         if "hf-ar" in hf_names:
-            built.systems.append(HFArSystem(model, int(pad)))
+            built.systems.append(HFArSystem(model, int(pad), Decoding.of(cfg)))
         if "hf-dflash" in hf_names:
             try:
                 from retrace.bench.builds import build_hf_assistant
@@ -137,7 +139,7 @@ def build_systems(cfg: BenchConfig, threads: int, max_seq_len: int, max_batch: i
                 asst_dir = build_hf_assistant(cfg.drafter, cfg.target, cache)
                 built.builds["hf_assistant"] = str(asst_dir)
                 assistant = AutoModel.from_pretrained(asst_dir, dtype=torch.float32).eval()
-                built.systems.append(HFDFlashSystem(model, assistant))
+                built.systems.append(HFDFlashSystem(model, assistant, Decoding.of(cfg)))
             except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
                 built.skip(["hf-dflash"], f"{type(e).__name__}: {e}".splitlines()[0])
 

@@ -1,6 +1,6 @@
 """llama.cpp as a benchmark peer, through llama-cpp-python (PyPI; installing it compiles llama.cpp).
 
-- `llamacpp-ar-<type>`: plain greedy decoding of the target as GGUF `<type>` (q4_k_m for --weights int4,
+- `llamacpp-ar-<type>`: plain decoding of the target as GGUF `<type>` (q4_k_m for --weights int4,
   q8_0 for int8: what CPU users run; retrace.bench.precision).
 - `llamacpp-ngram-<type>`: its Python API's prompt-lookup speculative decoding
   (`llama_cpp.llama_speculative.LlamaPromptLookupDecoding`), `num_pred_tokens` in {2, 4, 8, 10} chosen
@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from retrace.bench.decoding import GREEDY, Decoding
 from retrace.bench.llamacpp_build import build_gguf, llama_cpp_module
 from retrace.bench.systems import RunOut, System
 from retrace.errors import RetraceError
@@ -32,13 +33,13 @@ def load_llama(gguf: Path, threads: int, n_ctx: int):
 
 
 class LlamaCppSystem(System):
-    """Greedy decoding with llama-cpp-python; `ngram` > 0: prompt-lookup drafts of that many tokens. Systems of
-    one GGUF share its `llm` (they run one at a time): each sets its draft model and logits before a run."""
+    """Decoding with llama-cpp-python; `ngram` > 0: prompt-lookup drafts of that many tokens. Systems of one GGUF
+    share its `llm` (they run one at a time): each sets its draft model and logits before a run."""
 
-    def __init__(self, llm, name: str, ngram: int = 0):
+    def __init__(self, llm, name: str, ngram: int = 0, decoding: Decoding = GREEDY):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        self.llm, self.name, self.ngram = llm, name, ngram
+        self.llm, self.name, self.ngram, self.decoding = llm, name, ngram, decoding
         self.draft = LlamaPromptLookupDecoding(num_pred_tokens=ngram) if ngram else None
 
     def supports(self, batch_size: int) -> str | None:
@@ -49,11 +50,11 @@ class LlamaCppSystem(System):
         self.llm.draft_model, self.llm._logits_all = self.draft, self.draft is not None
         outputs = []
         t0 = time.perf_counter()
-        for p in prompts:
+        for i, p in enumerate(prompts):
             self.llm.reset()
+            self.llm.set_seed(self.decoding.seed + i)
             out = []
-            for tok in self.llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                         reset=True):
+            for tok in self.llm.generate(p, reset=True, **self.decoding.llama_cpp_kwargs()):
                 out.append(int(tok))
                 if len(out) == n:
                     break
@@ -70,7 +71,7 @@ def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
     from retrace.bench.ortgenai_peers import TUNE_TOKENS, measure_best
     from retrace.bench.precision import llamacpp_type
 
-    n_ctx, seen = n_ctx + max(NGRAM_WIDTHS), set()
+    n_ctx, seen, dec = n_ctx + max(NGRAM_WIDTHS), set(), Decoding.of(cfg)
     for weights in cfg.weights:
         gtype = llamacpp_type(weights)
         if gtype is None or gtype in seen:
@@ -86,11 +87,11 @@ def add_llamacpp_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
             built.builds[f"llamacpp_{gtype.lower()}"] = {"gguf": str(gguf)}
             llm = load_llama(gguf, threads, n_ctx)
             if names[0].startswith("llamacpp-ar"):
-                built.systems.append(LlamaCppSystem(llm, names[0]))
+                built.systems.append(LlamaCppSystem(llm, names[0], decoding=dec))
             if names[-1].startswith("llamacpp-ngram"):
                 tune = list(tune_prompts or [])[:2]
                 opts = [{"ngram": k} for k in NGRAM_WIDTHS]
-                make = lambda o, m=llm, nm=names[-1]: LlamaCppSystem(m, nm, o["ngram"])  # noqa: E731
+                make = lambda o, m=llm, nm=names[-1]: LlamaCppSystem(m, nm, o["ngram"], dec)  # noqa: E731
                 if tune:
                     best, opt, table = measure_best(make, opts, tune, min(TUNE_TOKENS, cfg.max_new_tokens))
                     best.settings = {"num_pred_tokens": opt["ngram"], "candidates": table,

@@ -3,7 +3,7 @@
 llama-cpp-python (retrace.bench.llamacpp_peers) exposes plain decoding and a prompt-lookup draft callable
 only; llama.cpp's draft-model and DFlash modes run in its C++ tools. Here they run in `llama-server`, the
 tool users deploy them with, built from the same vendored source (`make llama-tools`):
-- `llamacpp-server-ar-<type>`: plain greedy decoding in the server (the baseline of its speculative modes);
+- `llamacpp-server-ar-<type>`: plain decoding in the server (the baseline of its speculative modes);
 - `llamacpp-server-ngram-<type>`: its n-gram speculation (`--spec-type ngram-simple|ngram-map-k|ngram-mod`);
 - `llamacpp-dflash-<type>`: its DFlash drafter type (`--spec-type draft-dflash`) with *our* drafter,
   converted by llama.cpp's own `convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET` (the drafter's
@@ -18,7 +18,8 @@ retrace.bench.precision); drafters are converted to q8_0 (llama.cpp's usual draf
 speculative mode runs at its best setting of SERVER_MODES (the n-gram type, `--spec-draft-n-max`), chosen by
 a short timed run like onnxruntime-genai's n-gram width; llama.cpp's other settings stay at its defaults. A batch of B
 prompts is B requests in flight at once on a server started with `--parallel B` (continuous batching, the
-server's own). Greedy: temperature 0, `ignore_eos`, exactly n tokens, no prompt cache between requests.
+server's own). Greedy (temperature 0) or the run's sampling (retrace.bench.decoding), `ignore_eos`, exactly n
+tokens, no prompt cache between requests.
 Statistics from each response's `timings` (draft tokens, accepted): every round emits its accepted drafts
 plus one token, so rounds = tokens - accepted.
 """
@@ -34,6 +35,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from retrace.bench.decoding import GREEDY, Decoding
 from retrace.bench.llamacpp_build import build_gguf, tool
 from retrace.bench.systems import RunOut, System
 from retrace.errors import RetraceError
@@ -109,9 +111,10 @@ class LlamaServer:
         lines = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.is_file() else []
         return f"{lines[-1] if lines else 'no output'} (log: {self.log_path})"
 
-    def complete(self, prompt: list[int], n: int) -> dict:
-        """Greedy, exactly n new tokens -> the server's response (`tokens`, `timings`)."""
-        body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+    def complete(self, prompt: list[int], n: int, sampling: dict | None = None) -> dict:
+        """Exactly n new tokens, greedy or at `sampling` (Decoding.llama_server_body) -> the server's response
+        (`tokens`, `timings`)."""
+        body = {"prompt": prompt, "n_predict": n, **(sampling or GREEDY.llama_server_body(0)), "ignore_eos": True,
                 "cache_prompt": False, "return_tokens": True, "stream": False}
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -153,8 +156,9 @@ class LlamaServerSystem(System):
     """A llama-server mode; its server is started at the first run of each batch size (`--parallel B`)."""
 
     def __init__(self, name: str, model: Path, threads: int, n_ctx: int, logs: Path, draft: Path | None = None,
-                 spec: dict | None = None):
+                 spec: dict | None = None, decoding: Decoding = GREEDY):
         self.name, self.model, self.threads, self.n_ctx, self.logs = name, model, threads, n_ctx, logs
+        self.decoding = decoding
         self.draft, self.spec = draft, spec or {}
         self.server: LlamaServer | None = None
         self.parallel = 0
@@ -170,15 +174,15 @@ class LlamaServerSystem(System):
     def run(self, prompts, n, batch_size, progress=None) -> RunOut:
         server = self._server(batch_size)
 
-        def one(p):
-            out = server.complete(list(p), n)
+        def one(i, p):
+            out = server.complete(list(p), n, self.decoding.llama_server_body(i))
             if progress is not None:
                 progress(n)
             return out
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=batch_size) as pool:
-            responses = list(pool.map(one, prompts))
+            responses = list(pool.map(one, range(len(prompts)), prompts))
         wall = time.perf_counter() - t0
         return RunOut([[int(t) for t in r["tokens"]] for r in responses], wall, stats=speculative_stats(responses))
 
@@ -239,7 +243,8 @@ def add_llama_server_systems(built, cfg, cache: Path, threads: int, tune_prompts
                                        DRAFT_TYPE, log)
 
                 def make(spec, name=name, draft=draft, gguf=gguf):
-                    return LlamaServerSystem(name, gguf, threads, n_ctx, cache / "llama-server-logs", draft, spec)
+                    return LlamaServerSystem(name, gguf, threads, n_ctx, cache / "llama-server-logs", draft, spec,
+                                             Decoding.of(cfg))
 
                 extra = {"draft_gguf": str(draft)} if draft is not None else {}
                 if len(options) == 1 or not tune_prompts:

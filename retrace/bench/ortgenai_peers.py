@@ -78,10 +78,12 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
     names end in -int4 etc.; the draft model is built at the same precision)."""
     from retrace.bench.builds import build_genai_draft_model, build_genai_model
     from retrace.bench.config import wanted
+    from retrace.bench.decoding import Decoding
     from retrace.bench.precision import suffix
     from retrace.bench.systems import OrtGenaiSystem
 
     sfx = suffix(precision)
+    dec = Decoding.of(cfg)  # the settings are chosen at the run's decoding
     names = [n for n in ("ortgenai-ar", "ortgenai-ngram", "ortgenai-ngram-adaptive") if wanted(n + sfx, cfg.systems)]
     tune = [p for p in (tune_prompts or [])[:2]]
     n = min(TUNE_TOKENS, cfg.max_new_tokens)
@@ -90,7 +92,7 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
             log(f"building the onnxruntime-genai model ({precision}, cached)")
             mdir, info = build_genai_model(cfg.target, cache, threads, precision)
             built.builds["ortgenai" + sfx.replace("-", "_")] = info
-            ar = OrtGenaiSystem(mdir, info.get("pad_token_id"), "ortgenai-ar" + sfx)
+            ar = OrtGenaiSystem(mdir, info.get("pad_token_id"), "ortgenai-ar" + sfx, decoding=dec)
             if "ortgenai-ar" in names:
                 built.systems.append(ar)
             ngram = [n_ for n_ in names if n_ != "ortgenai-ar"]
@@ -101,7 +103,8 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
                 opts = [{"ngram_size": g, "max_draft_tokens": k, "min_adaptive_k": 0}
                         for g in NGRAM_SIZES for k in DRAFT_WIDTHS]
                 best, opt, table = measure_best(
-                    lambda o: OrtGenaiSystem(mdir, ar.pad_id, "ortgenai-ngram" + sfx, o, model=ar.model), opts, tune, n)
+                    lambda o: OrtGenaiSystem(mdir, ar.pad_id, "ortgenai-ngram" + sfx, o, model=ar.model, decoding=dec),
+                    opts, tune, n)
                 how = {"chosen_by": f"fastest of {len(opts)} settings on {len(tune)} prompts x {n} tokens",
                        "candidates": table}
                 if "ortgenai-ngram" in ngram:
@@ -109,7 +112,8 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
                     built.systems.append(best)
                 if "ortgenai-ngram-adaptive" in ngram:
                     o = {"ngram_size": opt["ngram_size"], **ADAPTIVE}
-                    s = OrtGenaiSystem(mdir, ar.pad_id, "ortgenai-ngram-adaptive" + sfx, o, model=ar.model)
+                    s = OrtGenaiSystem(mdir, ar.pad_id, "ortgenai-ngram-adaptive" + sfx, o, model=ar.model,
+                                       decoding=dec)
                     s.settings = {"speculative": o, "chosen_by": "ngram_size of ortgenai-ngram; adaptive width"}
                     built.systems.append(s)
         except (RetraceError, ImportError, RuntimeError) as e:
@@ -131,13 +135,15 @@ def add_ortgenai_systems(built, cfg, cache: Path, threads: int, tune_prompts, lo
             if "ortgenai-draft" in dnames:
                 opts = [{"max_draft_tokens": k, "min_adaptive_k": 0} for k in DRAFT_WIDTHS]
                 best, opt, table = measure_best(
-                    lambda o: OrtGenaiSystem(mdir, pad, "ortgenai-draft" + sfx, o, model=model), opts, tune, n)
+                    lambda o: OrtGenaiSystem(mdir, pad, "ortgenai-draft" + sfx, o, model=model, decoding=dec),
+                    opts, tune, n)
                 best.settings = {"speculative": opt, "draft_model": str(draft),
                                  "chosen_by": f"fastest of {len(opts)} widths on {len(tune)} prompts x {n} tokens",
                                  "candidates": table}
                 built.systems.append(best)
             if "ortgenai-draft-adaptive" in dnames:
-                s = OrtGenaiSystem(mdir, pad, "ortgenai-draft-adaptive" + sfx, dict(ADAPTIVE), model=model)
+                s = OrtGenaiSystem(mdir, pad, "ortgenai-draft-adaptive" + sfx, dict(ADAPTIVE), model=model,
+                                   decoding=dec)
                 s.settings = {"speculative": dict(ADAPTIVE), "draft_model": str(draft), "chosen_by": "adaptive width"}
                 built.systems.append(s)
         except (RetraceError, ImportError, RuntimeError, OSError) as e:

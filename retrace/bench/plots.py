@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from retrace.bench.report import decoding_text
+
 COLORS = {"peer": "#8c8c8c", "hf-dflash": "#4d4d4d", "ar": "#4c72b0", "dflash": "#dd8452", "retrace": "#55a868"}
 
 
@@ -106,7 +108,7 @@ def plot_results(results: dict, out: str | Path) -> dict:
     _accept(fig.add_subplot(gs[1, :half]), results)
     _domains(fig.add_subplot(gs[1, half:]), results)
     c = results["config"]
-    fig.suptitle(f"retrace bench: {c['n_prompts']} prompts x {c['max_new_tokens']} tokens, greedy, "
+    fig.suptitle(f"retrace bench: {c['n_prompts']} prompts x {c['max_new_tokens']} tokens, {decoding_text(c)}, "
                  f"{c['runs']} runs, {c['threads']} threads")
     fig.savefig(out, dpi=110)
     plt.close(fig)

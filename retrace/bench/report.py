@@ -80,6 +80,8 @@ def draft_cost_lines(results: dict) -> list[str]:
 
 def fidelity_line(results: dict) -> str:
     f = results.get("fidelity")
+    if not f and not results["config"].get("greedy", True):
+        return "fidelity: n/a (a greedy run's check: per-round acceptance is random when sampling)"
     if not f:
         return "fidelity: n/a (needs retrace-torch-dflash-fixed and hf-dflash at batch 1)"
     verdict = "within 1%" if f["within_1pct"] else "NOT within 1%"
@@ -163,7 +165,7 @@ def print_results(results: dict, console=None) -> None:
 
     console = console or Console()
     c = results["config"]
-    t = Table(title=f"retrace bench: {c['n_prompts']} prompts x {c['max_new_tokens']} new tokens, greedy, "
+    t = Table(title=f"retrace bench: {c['n_prompts']} prompts x {c['max_new_tokens']} new tokens, {decoding_text(c)}, "
                     f"{c['runs']} runs, {c['threads']} threads")
     for col, just in (("system", "left"), ("batch", "right"), ("tok/s", "right"), ("range", "right"),
                       ("tau", "right"), ("rounds", "right"), ("draft/verify/prefill/other %", "right"),
@@ -186,7 +188,9 @@ def print_results(results: dict, console=None) -> None:
     for line in draft_cost_lines(results):
         console.print(f"draft call at batch 1, {line}")
     a = results.get("agreement") or {}
-    if a:
+    if a.get("sampled"):
+        console.print(a["note"])
+    elif a:
         console.print(f"agreement with {a['reference']}: {a['total_mismatched_prompts']} mismatched prompt outputs "
                       f"over {a['checked']} system/batch results; exact length everywhere: {a['all_exact_length']}")
     for line in goal_lines(results):
@@ -207,12 +211,19 @@ def print_results(results: dict, console=None) -> None:
     console.print(machine_line(results))
 
 
+def decoding_text(config: dict) -> str:
+    """How the run's systems picked tokens (retrace.bench.decoding; JSON from before sampled runs: greedy)."""
+    return config.get("decoding_text", "greedy")
+
+
 def render_markdown(results: dict) -> str:
     """The results as a markdown table (for the README), with the fidelity and machine lines under it."""
     c = results["config"]
     head = ["system", "batch", "tokens/s (median)", "range", "tau", "draft/verify/prefill/other %",
             *(col for _, col in PEER_COLUMNS), "same output"]
-    lines = [f"Greedy, {c['n_prompts']} prompts x {c['max_new_tokens']} new tokens, median of {c['runs']} "
+    text = decoding_text(c)
+    lines = [f"{text[0].upper() + text[1:]}, {c['n_prompts']} prompts x {c['max_new_tokens']} new tokens, median of "
+             f"{c['runs']} "
              f"interleaved runs, {c['threads']} threads.", "",
              "| " + " | ".join(head) + " |",
              "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]

@@ -1,8 +1,8 @@
 """The systems a benchmark compares, behind one small interface.
 
 Each system runs a list of prompts (token ids) at a batch size and returns exactly `n` new tokens per
-prompt, greedy, with EOS treated as an ordinary token (nothing stops early), so every system does the same
-work:
+prompt, with EOS treated as an ordinary token (nothing stops early), so every system does the same work; greedy,
+or sampled at the run's one setting by the system's own library (`decoding`, retrace.bench.decoding):
 - ours: `retrace-<backend>-<mode>` (the default verify policy; `...-fixed`: the whole block every round;
   the runtime's scheduler driven directly so that every round's accepted length is recorded, and the
   backend's forwards timed to split model time from loop time);
@@ -13,7 +13,7 @@ work:
   config copy, right padding for batches, `max_length = longest prompt + n`);
 - `ortgenai-ngram[-adaptive]`, `ortgenai-draft[-adaptive]`: onnxruntime-genai's own speculative decoding
   (n-gram lookup, or a small autoregressive draft model wired as `model.draft` in its config) through
-  `GeneratorParams.set_speculative_options`, greedy, batch 1 only; `Generator.get_speculative_stats()`
+  `GeneratorParams.set_speculative_options`, batch 1 only; `Generator.get_speculative_stats()`
   summed over the prompts.
 """
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from retrace.bench.decoding import GREEDY, Decoding
 from retrace.runtime.stats import AcceptStats
 
 ProgressFn = Callable[[int], None]
@@ -42,9 +43,10 @@ class RunOut:
     verify_hist: list[int] | None = None  # ours: rounds that verified K drafts, index K
 
 
-def chunks(items: list, size: int) -> Iterator[list]:
+def enumerate_chunks(items: list, size: int) -> Iterator[tuple[int, list]]:
+    """(index of the chunk's first item, the chunk) for consecutive chunks of `size`."""
     for i in range(0, len(items), size):
-        yield items[i: i + size]
+        yield i, items[i: i + size]
 
 
 class System:
@@ -52,6 +54,7 @@ class System:
     family: str = "peer"  # "peer" | "retrace"
     backend: str | None = None
     mode: str | None = None
+    decoding: Decoding = GREEDY  # how it picks tokens (set by its builder for a sampled run)
 
     def supports(self, batch_size: int) -> str | None:
         """None if the batch size runs, else the reason it does not (reported as n/a)."""
@@ -110,8 +113,10 @@ class ForwardTimers:
 class RetraceSystem(System):
     family = "retrace"
 
-    def __init__(self, runtime, backend_name: str, mode: str, timers: ForwardTimers, name: str | None = None):
+    def __init__(self, runtime, backend_name: str, mode: str, timers: ForwardTimers, name: str | None = None,
+                 decoding: Decoding = GREEDY):
         self.rt = runtime
+        self.decoding = decoding
         self.backend = backend_name
         self.mode = mode
         self.timers = timers
@@ -122,17 +127,14 @@ class RetraceSystem(System):
         return None if batch_size <= mb else f"the runtime was built for max_batch {mb}"
 
     def run(self, prompts, n, batch_size, progress=None) -> RunOut:
-        from retrace.runtime import SamplingParams
-
-        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
         sched = self.rt.scheduler()
         self.rt.reset_stats()
         self.timers.reset()
         outputs: list[list[int]] = []
         accepted: list[list[int]] = []
         t0 = time.perf_counter()
-        for chunk in chunks(prompts, batch_size):
-            reqs = [sched.add(p, params, self.mode) for p in chunk]
+        for start, chunk in enumerate_chunks(prompts, batch_size):
+            reqs = [sched.add(p, self.decoding.params(n, start + i), self.mode) for i, p in enumerate(chunk)]
             for r in reqs:
                 r.stats = _SeqStats()
             while not all(r.finished for r in reqs):
@@ -175,18 +177,19 @@ def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.
 class HFArSystem(System):
     name = "hf-ar"
 
-    def __init__(self, model, pad_id: int):
+    def __init__(self, model, pad_id: int, decoding: Decoding = GREEDY):
         self.model = model
         self.pad_id = pad_id
+        self.decoding = decoding
 
     @torch.inference_mode()
     def run(self, prompts, n, batch_size, progress=None) -> RunOut:
         outputs: list[list[int]] = []
         t0 = time.perf_counter()
-        for chunk in chunks(prompts, batch_size):
+        for start, chunk in enumerate_chunks(prompts, batch_size):
             ids, mask = _left_pad(chunk, self.pad_id)
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                      eos_token_id=None, pad_token_id=self.pad_id)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None,
+                                      pad_token_id=self.pad_id, **self.decoding.hf_kwargs(start))
             outputs.extend(out[:, ids.shape[1]:].tolist())
             if progress is not None:
                 progress(n * len(chunk))
@@ -216,9 +219,10 @@ def count_dflash_rounds() -> Iterator[list[int]]:
 class HFDFlashSystem(System):
     name = "hf-dflash"
 
-    def __init__(self, model, assistant):
+    def __init__(self, model, assistant, decoding: Decoding = GREEDY):
         self.model = model
         self.assistant = assistant
+        self.decoding = decoding
 
     def supports(self, batch_size: int) -> str | None:
         return None if batch_size == 1 else "transformers' assisted (DFlash) generation supports batch 1 only"
@@ -228,12 +232,12 @@ class HFDFlashSystem(System):
         outputs: list[list[int]] = []
         accepted: list[list[int]] = []
         t0 = time.perf_counter()
-        for p in prompts:
+        for i, p in enumerate(prompts):
             ids = torch.tensor([p], dtype=torch.int64)
             with count_dflash_rounds() as seen:
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=self.assistant,
-                                          speculation_type="dflash", do_sample=False, max_new_tokens=n,
-                                          eos_token_id=None)
+                                          speculation_type="dflash", max_new_tokens=n, eos_token_id=None,
+                                          **self.decoding.hf_kwargs(i))
             outputs.append(out[0, ids.shape[1]:].tolist())
             accepted.append(seen[1:])  # the first call is the prefill (its 1 token is not a verify round)
             if progress is not None:
@@ -265,9 +269,10 @@ class OrtGenaiSystem(System):
     name = "ortgenai-ar"
 
     def __init__(self, model_dir, pad_id: int | None, name: str = "ortgenai-ar", speculative: dict | None = None,
-                 model=None):
+                 model=None, decoding: Decoding = GREEDY):
         import onnxruntime_genai as og
 
+        self.decoding = decoding
         self.og = og
         self.model = model if model is not None else og.Model(str(model_dir))
         self.pad_id = pad_id
@@ -288,14 +293,14 @@ class OrtGenaiSystem(System):
         outputs: list[list[int]] = []
         stats: list[dict] = []
         t0 = time.perf_counter()
-        for chunk in chunks(prompts, batch_size):
+        for start, chunk in enumerate_chunks(prompts, batch_size):
             L = max(len(p) for p in chunk)
             # right padding: onnxruntime-genai 0.18 masks pad tokens and positions the rows correctly
             arr = np.full((len(chunk), L), self.pad_id if self.pad_id is not None else 0, dtype=np.int32)
             for i, p in enumerate(chunk):
                 arr[i, : len(p)] = p
             params = og.GeneratorParams(self.model)
-            params.set_search_options(max_length=L + n, do_sample=False, batch_size=len(chunk))
+            params.set_search_options(max_length=L + n, batch_size=len(chunk), **self.decoding.genai_options(start))
             if self.speculative:
                 params.set_speculative_options(**self.speculative)
             gen = og.Generator(self.model, params)
