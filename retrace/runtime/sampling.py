@@ -19,6 +19,7 @@ from retrace.runtime.argmax_op import argmax as argmax_op
 from retrace.runtime.device import to_device
 from retrace.runtime.sampling_params import SamplingParams  # re-exported (defined without torch)
 from retrace.runtime.top_p_op import top_k_top_p, top_p_probs
+from retrace.runtime.topk_op import topk
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -27,7 +28,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_k and params.top_k < logits.shape[-1]:
         if params.top_p < 1.0:
             return top_k_top_p(logits, params.top_k, params.top_p)  # runtime/top_p_op.py
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        kth = topk(logits, params.top_k)[0][..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         return top_p_probs(logits, params.top_p)  # runtime/top_p_op.py: on the CPU no sort of the vocabulary

@@ -5,9 +5,9 @@ probabilities [..., V]: the smallest prefix of the logits sorted high to low who
 
 Why an operator: the plain form sorts every logit of every row, 12 ms a row at Qwen3's 151,936 ids on 2 CPU
 cores (a 16-row verify ~100 ms, more than its forward). The CPU kernel sorts only candidates: the row's top 256
-by `torch.topk`, then 4x more until the candidates' mass (in the whole row's softmax) reaches top_p in
-every row; the nucleus then lies among them, since every token outside has at least that mass before it. At
-most a few candidate rounds, each a check of a host value below the dispatcher (as retrace::argmax's numpy
+by retrace::topk (runtime/topk_op.py), then 4x more until the candidates' mass (in the whole row's softmax)
+reaches top_p in every row; the nucleus then lies among them, since every token outside has at least that mass
+before it. At most a few candidate rounds, each a check of a host value below the dispatcher (as retrace::argmax's numpy
 kernel: not a host read of the round). Other devices (CUDA, where a sort of the vocabulary is cheap and a host
 check would synchronise) keep the sort. The same kept tokens either way, ties apart (which of several tokens
 tied at the nucleus' edge stays is the sort's order in both).
@@ -16,6 +16,8 @@ tied at the nucleus' edge stays is the sort's order in both).
 from __future__ import annotations
 
 import torch
+
+from retrace.runtime.topk_op import topk
 
 FIRST_CANDIDATES = 256
 TIE_ROOM = 16  # top-k with top-p: candidates beyond the k-th kept for logits tied with it
@@ -46,7 +48,7 @@ def by_candidates(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     p_all = logits.softmax(-1)
     c = FIRST_CANDIDATES
     while True:
-        vals, idx = torch.topk(logits, c, dim=-1)
+        vals, idx = topk(logits, c)
         probs = p_all.gather(-1, idx)
         if c == V or bool((probs.sum(-1) >= top_p).all()):
             break
@@ -63,7 +65,7 @@ def top_k_top_p(logits: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
     with the k-th, which top-k keeps too), already in descending order, so top-p needs no sort of the
     vocabulary on any device (at 151,936 ids: 4.8 -> ~0.7 ms a row on 2 CPU cores). The same distribution as
     top-k's mask followed by the full sort, unless more than TIE_ROOM logits tie with the k-th."""
-    vals, idx = torch.topk(logits, min(logits.shape[-1], k + TIE_ROOM), dim=-1)
+    vals, idx = topk(logits, min(logits.shape[-1], k + TIE_ROOM))
     vals = vals.masked_fill(vals < vals[..., k - 1: k], float("-inf"))  # top-k: every logit >= the k-th
     kept = _sorted_nucleus(vals, vals.softmax(-1), top_p)
     return torch.zeros_like(logits).scatter(-1, idx, kept.softmax(-1))

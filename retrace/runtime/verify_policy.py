@@ -41,6 +41,7 @@ from typing import Protocol
 import torch
 
 from retrace.errors import RetraceError
+from retrace.runtime.argmax_op import argmax
 from retrace.runtime.calibration import Calibration
 from retrace.runtime.cost_model import CostModel, probe
 from retrace.runtime.device import index_tensor, read, to_device
@@ -126,8 +127,8 @@ def draft_confidence(draft_logits: torch.Tensor, q: list[torch.Tensor | None]) -
     # [2, 15, 8192] logits of the 0.6B-shape zoo pair, whose padded ids sit at -901)
     conf = draft_logits.float().softmax(-1).amax(-1)
     for i, qi in enumerate(q):
-        if qi is not None:
-            conf[i] = qi.max(-1).values
+        if qi is not None:  # max q by retrace::argmax: torch's max over 151,936 probabilities is ~8x slower here
+            conf[i] = qi.gather(-1, argmax(qi).unsqueeze(-1)).squeeze(-1)
     return conf
 
 
