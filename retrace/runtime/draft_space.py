@@ -8,8 +8,9 @@ verify policy's confidence and the rejected suffix's draft probabilities are ove
 (Qwen3: 151,936; an 8192-id subset is 18x less to scan per pass, and no pass meets the -inf entries of
 an expanded tensor, whose exp is CPU torch's slow path). Ids cross into the target's space here only:
 `tokens` maps draft indices to target ids, `index_of` target ids to draft indices (-1 outside), and a
-sampling row's proposal q goes back to [S, V] with q = 0 outside the subset (`probs_full`), so speculative
-sampling's min(1, p/q) and max(0, p - q) are the target's as before (lossless).
+sampling row's proposal q stays [S, Vd] until the verify judges its first K rows, which go back to [K, V]
+with q = 0 outside the subset (`probs_full`), so speculative sampling's min(1, p/q) and max(0, p - q) are the
+target's as before (lossless).
 
 Glossary: V the target's vocabulary, Vd the draft vocabulary's size (V when there is none), a draft
 index an index into the logits' last dimension.

@@ -39,7 +39,7 @@ class VerifyAndAccept:
                                            every_position(N, K + 1, dev))
         marks = (start, self.clock.mark())
         logits = min_length(logits, batch.reqs, self.eos_ids)
-        accepted, bonus, target_argmax = accept_chain(logits, p.drafts[:, :K], p.q, batch.reqs, p.verified)
+        accepted, bonus, target_argmax = accept_chain(logits, p.drafts[:, :K], p.q, batch.reqs, p.verified, p.space)
         return RoundOutcome(batch, p, accepted, bonus, p.drafts, taps, p.verified, K + 1, block, logits,
                             target_argmax, path_len=p.verified, marks=marks)
 
@@ -54,7 +54,8 @@ class VerifyAndAccept:
         accepted, bonus, node, post = greedy_tree_accept(tree, logits)
         for i, pi in enumerate(row_probs(logits, reqs)):  # sampling rows: the tree walk
             if pi is not None:
-                accepted[i], bonus[i], node[i] = sample_tree_accept(tree, i, pi, reqs[i].generator, p.q[i])
+                qi = p.q[i] if p.q[i] is None or p.space is None else p.space.probs_full(p.q[i])
+                accepted[i], bonus[i], node[i] = sample_tree_accept(tree, i, pi, reqs[i].generator, qi)
         end = continue_path(tree, node)  # the round path: accepted, then each node's best child
         path = root_path(tree, end)
         path_len = tree.depth[torch.arange(N, device=dev), end]
@@ -71,10 +72,11 @@ class VerifyAndAccept:
                             logits, post.gather(1, path), path=path, path_len=path_len, marks=marks)
 
 
-def accept_chain(logits, drafts, q, reqs, verified):
+def accept_chain(logits, drafts, q, reqs, verified, space=None):
     """logits [N, K+1, V], drafts [N, K]; row i judges only its first verified[i] drafts (None: all K); q [N]
-    of [K, V] the proposal distributions of sampling rows (None, or a None row: the drafts are point masses).
-    -> (accepted [N], bonus [N], the target's argmax [N, K+1]); sampling rows overwrite the first two."""
+    of [>= K, Vd] the proposal distributions of sampling rows over `space` (None: the target's vocabulary; None,
+    or a None row: the drafts are point masses). -> (accepted [N], bonus [N], the target's argmax [N, K+1]);
+    sampling rows overwrite the first two."""
     K = drafts.shape[1]
     ks = host_values(verified) if verified is not None else [K] * len(reqs)
     if any(k < K for k in ks):  # drafts past a row's K can never match: -1 is no token
@@ -84,6 +86,8 @@ def accept_chain(logits, drafts, q, reqs, verified):
         if p is not None:
             k = ks[i]
             qi = q[i][:k] if q is not None and q[i] is not None else None  # None: point masses (prompt lookup)
+            if qi is not None and space is not None:
+                qi = space.probs_full(qi)  # the rows it judges only
             accepted[i], bonus[i] = speculative_accept(p[: k + 1], qi, drafts[i, :k], r.generator)
     return accepted, bonus, target_argmax
 

@@ -47,16 +47,15 @@ class DrafterCall:
 def propose_tokens(draft_logits: torch.Tensor, reqs: list, space: DraftSpace | None = None
                    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Greedy rows take the drafter's argmax; sampling rows sample from its processed distribution q
-    (q[i] is None for greedy rows) -> (drafts [N, S] target ids, q [S, V] over the target's vocabulary).
-    draft_logits [N, S, Vd] over `space` (None: the target's vocabulary)."""
+    (q[i] is None for greedy rows) -> (drafts [N, S] target ids, q [S, Vd] over `space`: the verify expands
+    only the rows it judges, `space.probs_full`). draft_logits [N, S, Vd] over `space` (None: the target's
+    vocabulary)."""
     index = argmax(draft_logits)
     q = row_probs(draft_logits, reqs)
     for i, r in enumerate(reqs):
         if q[i] is not None:
             index[i] = sample_index(q[i], r.generator)  # one token per slot
-    if space is None or space.full:
-        return index, q
-    return space.tokens(index), [qi if qi is None else space.probs_full(qi) for qi in q]
+    return (index if space is None or space.full else space.tokens(index)), q
 
 
 class DrafterChain:
