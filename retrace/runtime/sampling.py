@@ -24,10 +24,10 @@ from retrace.runtime.topk_op import topk
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p (transformers' order) -> probabilities [..., V] (float32)."""
+    if params.top_k and params.top_k < logits.shape[-1] and params.top_p < 1.0:  # the temperature on its candidates
+        return top_k_top_p(logits.float(), params.top_k, params.top_p, params.temperature)  # runtime/top_p_op.py
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
-        if params.top_p < 1.0:
-            return top_k_top_p(logits, params.top_k, params.top_p)  # runtime/top_p_op.py
         kth = topk(logits, params.top_k)[0][..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
@@ -156,7 +156,9 @@ def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:
         if not r.params.greedy:
             groups.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
     for rows in groups.values():
-        probs, bad = guard_rows(processed_probs(logits[rows], reqs[rows[0]].params))
+        # consecutive rows (every row of a batch of one setting) as a view: a list index copies [rows, T, V]
+        pick = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
+        probs, bad = guard_rows(processed_probs(logits[pick], reqs[rows[0]].params))
         for j, i in enumerate(rows):
             out[i] = probs[j]
             r = reqs[i]
