@@ -20,6 +20,27 @@ from retrace.bench.llamacpp_build import tool
 from retrace.errors import RetraceError
 
 
+def fake_server(monkeypatch, tmp_path, start: str = "", post: str = "") -> None:
+    """A stand-in `llama-server` on LLAMA_CPP_BIN: runs `start` first, answers /health, and POSTs with the
+    handler method `post` (none: no POST)."""
+    fake = tmp_path / "bin" / "llama-server"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!{sys.executable}
+import http.server, json, sys
+{start}
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+{post}
+    def log_message(self, *a):
+        pass
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(fake.parent))
+
+
 def test_statistics_count_a_round_per_token_not_accepted():
     """Every round emits its accepted drafts plus one token: rounds = tokens - accepted."""
     responses = [{"tokens": list(range(10)), "timings": {"draft_n": 12, "draft_n_accepted": 6}},
@@ -57,22 +78,9 @@ def test_a_server_that_exits_at_start_is_an_error_with_its_last_log_line(monkeyp
 def test_a_server_that_drops_its_draft_model_is_not_a_speculative_peer(monkeypatch, tmp_path):
     """llama-server logs that it could not set speculation up (e.g. draft and target vocabularies differ) and
     serves plain decoding: that must not be reported as its draft-model mode."""
-    fake = tmp_path / "bin" / "llama-server"
-    fake.parent.mkdir()
-    fake.write_text(f"""#!{sys.executable}
-import http.server, sys
-print("E srv    load_model: failed to initialize speculative decoding context: draft model vocab type must "
-      "match target model to use speculation", flush=True)
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
-    def log_message(self, *a):
-        pass
-port = int(sys.argv[sys.argv.index("--port") + 1])
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-""")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("LLAMA_CPP_BIN", str(fake.parent))
+    fake_server(monkeypatch, tmp_path, start=(
+        'print("E srv    load_model: failed to initialize speculative decoding context: draft model vocab type '
+        'must match target model to use speculation", flush=True)'))
     with pytest.raises(RetraceError, match=r"runs without speculation \(failed to .* vocab type must match"):
         ls.LlamaServer(tmp_path / "m.gguf", 1, 64, 1, tmp_path / "logs" / "s.log", tmp_path / "d.gguf",
                        {"spec_type": "draft-simple", "draft_max": 4})
@@ -192,27 +200,14 @@ def test_a_sampled_run_sends_every_request_its_sampling_and_seed(monkeypatch, tm
     from retrace.bench.decoding import Decoding
 
     seen = tmp_path / "bodies.jsonl"
-    fake = tmp_path / "bin" / "llama-server"
-    fake.parent.mkdir()
-    fake.write_text(f"""#!{sys.executable}
-import http.server, json, sys
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+    fake_server(monkeypatch, tmp_path, post=f"""
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with open({str(seen)!r}, "a") as f:
             f.write(json.dumps(body) + "\\n")
         out = json.dumps({{"tokens": [7] * body["n_predict"], "timings": {{}}}}).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(out))); self.end_headers()
-        self.wfile.write(out)
-    def log_message(self, *a):
-        pass
-port = int(sys.argv[sys.argv.index("--port") + 1])
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-""")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("LLAMA_CPP_BIN", str(fake.parent))
+        self.wfile.write(out)""")
     for decoding in (Decoding(temperature=0.7, top_p=0.8, top_k=20, seed=5), Decoding()):
         system = ls.LlamaServerSystem("llamacpp-server-ar-q4_k_m", tmp_path / "m.gguf", 1, 64, tmp_path / "logs",
                                       decoding=decoding)
