@@ -37,11 +37,9 @@ class VerifyAndAccept:
         logits, taps = self.backend.target(batch.slots, block[:, : K + 1],
                                            index_tensor(ranges(batch.anchor_host, K + 1), dev),
                                            every_position(N, K + 1, dev))
+        marks = (start, self.clock.mark())
         logits = min_length(logits, batch.reqs, self.eos_ids)
         accepted, bonus, target_argmax = accept_chain(logits, p.drafts[:, :K], p.q, batch.reqs, p.verified, p.space)
-        # the verify's time includes its acceptance, as a tree's does: a sampling row's work (its processed p,
-        # speculative sampling) grows with the rows verified, and the cost model prices widths by this time
-        marks = (start, self.clock.mark())
         return RoundOutcome(batch, p, accepted, bonus, p.drafts, taps, p.verified, K + 1, block, logits,
                             target_argmax, path_len=p.verified, marks=marks)
 
