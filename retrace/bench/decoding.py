@@ -61,14 +61,18 @@ class Decoding:
         return SamplingParams(max_new_tokens=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed + index, ignore_eos=True)
 
-    def hf_kwargs(self, index: int) -> dict:
-        """transformers' generate() options; seeds torch's global generator for the sampled call."""
+    def hf_kwargs(self) -> dict:
+        """transformers' generate() options (its draws come from torch's global generator: `seed_torch`)."""
         if self.greedy:
             return {"do_sample": False}
-        import torch
-
-        torch.manual_seed(self.seed + index)
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+    def seed_torch(self, index: int) -> None:
+        """Seed torch's global generator for a sampled transformers call starting at prompt `index`."""
+        if not self.greedy:
+            import torch
+
+            torch.manual_seed(self.seed + index)
 
     def genai_options(self, index: int) -> dict:
         """onnxruntime-genai's search options (top_k 0: off, as in its sampler's dispatch)."""

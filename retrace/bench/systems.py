@@ -188,8 +188,9 @@ class HFArSystem(System):
         t0 = time.perf_counter()
         for start, chunk in enumerate_chunks(prompts, batch_size):
             ids, mask = _left_pad(chunk, self.pad_id)
+            self.decoding.seed_torch(start)
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None,
-                                      pad_token_id=self.pad_id, **self.decoding.hf_kwargs(start))
+                                      pad_token_id=self.pad_id, **self.decoding.hf_kwargs())
             outputs.extend(out[:, ids.shape[1]:].tolist())
             if progress is not None:
                 progress(n * len(chunk))
@@ -234,10 +235,11 @@ class HFDFlashSystem(System):
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
             ids = torch.tensor([p], dtype=torch.int64)
+            self.decoding.seed_torch(i)
             with count_dflash_rounds() as seen:
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=self.assistant,
                                           speculation_type="dflash", max_new_tokens=n, eos_token_id=None,
-                                          **self.decoding.hf_kwargs(i))
+                                          **self.decoding.hf_kwargs())
             outputs.append(out[0, ids.shape[1]:].tolist())
             accepted.append(seen[1:])  # the first call is the prefill (its 1 token is not a verify round)
             if progress is not None:
