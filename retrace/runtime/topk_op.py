@@ -6,8 +6,9 @@ Why: a sampled token's top-k (and top-p's candidates, runtime/top_p_op.py) scans
 step; `torch.topk` of k = 36 over Qwen3's 151,936 logits takes 0.44 ms a row on 2 CPU cores, a fifth of a
 sampled step's host work at the 0.6B shape. The kernel takes a threshold that at least k entries reach from a
 strided sample (its k-th largest: the sample is a subset of the row, so the row has at least k entries there),
-keeps the entries at or above it (one vectorised comparison) and selects among those few thousand
-(`argpartition`, then a sort of the k). A row with a NaN, or too short to sample, goes to `torch.topk`.
+keeps the entries above it (at or above it where fewer than k are above: a tie-heavy row) with one vectorised
+comparison and selects among those few thousand (`argpartition`, then a sort of the k). A row with a NaN, or
+too short to sample, goes to `torch.topk`.
 Registered with torch.library as runtime/argmax_op.py's argmax is: the kernel runs below the dispatcher, so
 reading a CPU tensor's memory is not a host read of the round; other devices run `torch.topk`.
 """
