@@ -81,7 +81,7 @@ def test_lookup_sampling_matches_target_distribution(pair, config):  # noqa: F81
 
 
 def _resample_from_p(p, q, drafts, gen):
-    K = drafts.shape[0]
+    K, p = drafts.shape[0], p.dense(ts.V)  # the runtime passes candidates (runtime/candidates.py)
     idx = torch.arange(K)
     ok = (torch.rand(K, generator=gen) <= p[idx, drafts]).to(torch.int64)
     a = int(ok.cumprod(0).sum())

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_runtime_device import HostReads
 
+from retrace.runtime.candidates import Candidates
 from retrace.runtime.sampling import argmax, guard_rows
 from retrace.runtime.topk_op import topk
 
@@ -41,13 +42,13 @@ def test_guard_rows_flags_on_the_device():
     p[1, 2, 5] = float("nan")
     seen = HostReads()
     with seen:
-        out, bad = guard_rows(p)
+        out, bad = guard_rows(Candidates(p))  # the dense form; candidates: tests/test_candidates.py
     assert seen.count == 0
     assert bad.tolist() == [False, True, False]
-    assert torch.equal(out[[0, 2]], p[[0, 2]])
+    assert torch.equal(out.probs[[0, 2]], p[[0, 2]])
     want = torch.zeros(4, 10)
     want[:, 0] = 1
-    assert torch.equal(out[1], want)
+    assert torch.equal(out.probs[1], want)
 
 
 def _rows(V: int) -> torch.Tensor:

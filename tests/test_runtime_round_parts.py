@@ -70,7 +70,8 @@ def test_each_proposers_proposal_has_its_documented_shapes(pair):
     assert p.drafts.shape == (N, B - 1) and p.drafts.dtype == torch.int64
     assert p.verified.shape == (N,) and p.verified.host_values == [B - 1] * N  # K on the host: no read
     assert p.hidden.shape == (N, B, d) and p.draft_logits.shape == (N, B - 1, V)
-    assert len(p.q) == N and all(q.shape == (B - 1, V) for q in p.q)  # sampling rows: the processed q
+    # sampling rows: the processed q (temperature alone: the dense form of runtime/candidates.py)
+    assert len(p.q) == N and all(q.probs.shape == (B - 1, V) and q.ids is None for q in p.q)
     assert p.tree is None
 
     sched, reqs = prefilled(pair, PROMPTS, tree_budget=6)

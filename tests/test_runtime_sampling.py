@@ -141,7 +141,9 @@ def test_adaptive_verify_policy_sampling_matches_target_distribution(pair, confi
     target, drafter, logits = pair
     params, n = CONFIGS[config]
     with single_thread():
-        outs, stats = sample(target, drafter, params, n, policy=steep_cost_policy(4, ragged=True))
+        # top-k 3: K = 3 was 2 rounds in 16,000 at slope 0.15 (and 0 after candidates changed the draws)
+        slope = 0.13 if "top_k3" in config else 0.15
+        outs, stats = sample(target, drafter, params, n, policy=steep_cost_policy(4, ragged=True, slope=slope))
     for name, (p_value, df, _) in check(outs, exact_joint(logits, params)).items():
         assert p_value > ALPHA, f"adaptive {config} {name}: chi-square p={p_value:.2e} (df {df})"
     assert stats["tau"] > 1.05, stats["tau"]
@@ -164,12 +166,12 @@ def test_retrace_sampling_matches_target_distribution(pair, config):
 
 
 def _always_accept(p, q, drafts, gen):
-    K = drafts.shape[0]
+    K, p = drafts.shape[0], p.dense(V)  # the runtime passes candidates (runtime/candidates.py)
     return K, int(torch.multinomial(p[K], 1, generator=gen))
 
 
 def _resample_from_p(p, q, drafts, gen):
-    K = drafts.shape[0]
+    K, p, q = drafts.shape[0], p.dense(V), q.dense(V)  # the runtime passes candidates (runtime/candidates.py)
     idx = torch.arange(K)
     ok = (torch.rand(K, generator=gen) * q[idx, drafts] <= p[idx, drafts]).to(torch.int64)
     a = int(ok.cumprod(0).sum())

@@ -8,9 +8,9 @@ verify policy's confidence and the rejected suffix's draft probabilities are ove
 (Qwen3: 151,936; an 8192-id subset is 18x less to scan per pass, and no pass meets the -inf entries of
 an expanded tensor, whose exp is CPU torch's slow path). Ids cross into the target's space here only:
 `tokens` maps draft indices to target ids, `index_of` target ids to draft indices (-1 outside), and a
-sampling row's proposal q stays [S, Vd] until the verify judges its first K rows, which go back to [K, V]
-with q = 0 outside the subset (`probs_full`), so speculative sampling's min(1, p/q) and max(0, p - q) are the
-target's as before (lossless).
+sampling row's proposal q stays over draft indices until the verify judges its first K rows, whose ids then
+become target ids with q = 0 outside the subset (`to_target`; `probs_full` for a dense [.., Vd] row), so
+speculative sampling's min(1, p/q) and max(0, p - q) are the target's as before (lossless).
 
 Glossary: V the target's vocabulary, Vd the draft vocabulary's size (V when there is none), a draft
 index an index into the logits' last dimension.
@@ -22,6 +22,7 @@ import torch
 
 from retrace.errors import RetraceError
 from retrace.models.draft_vocab import expand_rows
+from retrace.runtime.candidates import Candidates
 
 
 class DraftSpace:
@@ -67,6 +68,15 @@ class DraftSpace:
     def probs_full(self, probs: torch.Tensor) -> torch.Tensor:
         """[..., Vd] probabilities -> [..., V], 0 outside the draft vocabulary."""
         return probs if self.ids is None else expand_rows(probs, self.ids, self.vocab_size, 0.0)
+
+    def to_target(self, dist: Candidates) -> Candidates:
+        """A distribution over draft indices (runtime/candidates.py) -> the same over target ids (0 outside the
+        draft vocabulary): the candidates' ids mapped, or the dense form's ids made explicit."""
+        if self.ids is None:
+            return dist
+        if dist.ids is None:
+            return Candidates(dist.probs, self.ids.expand(dist.probs.shape))
+        return Candidates(dist.probs, self.ids[dist.ids])
 
     def logits_full(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., Vd] logits -> [..., V] float32, -inf outside the draft vocabulary."""

@@ -50,7 +50,7 @@ from retrace.runtime.proposers import (
 )
 from retrace.runtime.proposers.context import continue_context, extend_context, start_context
 from retrace.runtime.round_outcome import PolicyObserver, TimingObserver
-from retrace.runtime.sampling import SamplingParams, argmax, flag_errors, pending_flags, row_probs, sample_index
+from retrace.runtime.sampling import SamplingParams, argmax, flag_errors, pending_flags, row_probs
 from retrace.runtime.stats import AcceptStats, Timing
 from retrace.runtime.stop_strings import append
 from retrace.runtime.stopwatch import stopwatch_for
@@ -330,7 +330,7 @@ class Scheduler:
         first = argmax(logits)
         for i, p in enumerate(row_probs(logits, reqs)):
             if p is not None:
-                first[i] = sample_index(p, reqs[i].generator)
+                first[i] = p.sample(reqs[i].generator)
         return first
 
     # -- commit and stop ---------------------------------------------------------------------------------

@@ -16,23 +16,27 @@ from __future__ import annotations
 import torch
 
 from retrace.runtime.argmax_op import argmax as argmax_op
+from retrace.runtime.candidates import Candidates, sample_index  # noqa: F401 (sample_index re-exported)
 from retrace.runtime.device import to_device
 from retrace.runtime.sampling_params import SamplingParams  # re-exported (defined without torch)
 from retrace.runtime.top_p_op import top_k_top_p, top_p_probs
-from retrace.runtime.topk_op import topk
+
+
+def processed(logits: torch.Tensor, params: SamplingParams) -> Candidates:
+    """Temperature, then top-k, then top-p (transformers' order) -> the distribution over [..., V] logits as
+    its candidates (runtime/candidates.py): with top-k, the top-k's ids only (the temperature divides those
+    alone, runtime/top_p_op.py); without, the dense form (float32)."""
+    if params.top_k and params.top_k < logits.shape[-1]:
+        return Candidates(*top_k_top_p(logits.float(), params.top_k, params.top_p, params.temperature))
+    logits = logits.float() / params.temperature
+    if params.top_p < 1.0:
+        return Candidates(top_p_probs(logits, params.top_p))  # runtime/top_p_op.py: on the CPU no full sort
+    return Candidates(logits.softmax(-1))
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (transformers' order) -> probabilities [..., V] (float32)."""
-    if params.top_k and params.top_k < logits.shape[-1] and params.top_p < 1.0:  # the temperature on its candidates
-        return top_k_top_p(logits.float(), params.top_k, params.top_p, params.temperature)  # runtime/top_p_op.py
-    logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = topk(logits, params.top_k)[0][..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        return top_p_probs(logits, params.top_p)  # runtime/top_p_op.py: on the CPU no sort of the vocabulary
-    return logits.softmax(-1)
+    """`processed` as probabilities [..., V] (float32)."""
+    return processed(logits, params).dense(logits.shape[-1])
 
 
 def unsampleable(probs: torch.Tensor) -> torch.Tensor:
@@ -42,15 +46,17 @@ def unsampleable(probs: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(mass) & (mass > 0))
 
 
-def guard_rows(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [N, ..., V] -> (probs with every unsampleable row replaced by a one-hot on token 0, so the
+def guard_rows(dist: Candidates) -> tuple[Candidates, torch.Tensor]:
+    """dist [N, ..., C] -> (dist with every unsampleable row replaced by a one-hot on token 0, so the
     round can go on for its batch-mates; bad [N] bool, which rows those were), on the device: no read (the
     round's one read brings `bad` back, runtime/round_outcome.py)."""
-    N, V = probs.shape[0], probs.shape[-1]
+    probs = dist.probs
+    N, C = probs.shape[0], probs.shape[-1]
     bad = unsampleable(probs).reshape(N, -1).any(-1)
-    hot = torch.zeros(V, dtype=probs.dtype, device=probs.device)
-    hot[0] = 1.0
-    return torch.where(bad.view(N, *[1] * (probs.dim() - 1)), hot, probs), bad
+    hot = torch.zeros(C, dtype=probs.dtype, device=probs.device)
+    hot[0] = 1.0  # the first candidate, whose id becomes 0
+    at = bad.view(N, *[1] * (probs.dim() - 1))
+    return Candidates(torch.where(at, hot, probs), None if dist.ids is None else torch.where(at, 0, dist.ids)), bad
 
 
 def unsampleable_error(params: SamplingParams) -> str:
@@ -110,43 +116,39 @@ def greedy_accept(verify_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[to
     return a, bonus, post
 
 
-def sample_index(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One draw per row of probs [..., V] (non-negative, any positive total) -> indices [...] int64: the inverse
-    of the row's cumulative distribution, in float64, at a uniform draw. Never an index of probability 0. What
-    torch.multinomial(probs, 1) samples, 22x faster at 151,936 ids on the CPU (0.17 against 3.7 ms a row:
-    benchmarks of 2026-12-07, docs/bench/prompt-lookup.md)."""
-    cdf = probs.double().cumsum(-1)
-    u = (1 - torch.rand(*probs.shape[:-1], 1, generator=gen, dtype=torch.float64, device=probs.device))
-    return torch.searchsorted(cdf, u * cdf[..., -1:]).squeeze(-1)  # the first index whose cdf reaches it
-
-
-def speculative_accept(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor,
+def speculative_accept(p: Candidates | torch.Tensor, q: Candidates | torch.Tensor | None, drafts: torch.Tensor,
                        gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row. p [K+1, V] target probs, q [K, V] proposal probs (None: each draft a point mass, q(d) = 1:
-    prompt lookup's copied tokens), drafts [K] -> (accepted a, bonus token), 0-dim tensors on p's device (no
-    read back: the loop reads the round once)."""
-    K = drafts.shape[0]
+    """One row. p [K+1] rows of the target's processed distribution, q [K] rows of the proposal's, over target
+    ids (runtime/candidates.py, or dense [.., V] tensors; q None: each draft a point mass, q(d) = 1: prompt
+    lookup's copied tokens), drafts [K] -> (accepted a, bonus token), 0-dim tensors on p's device (no read
+    back: the loop reads the round once). Every pass is over p's candidates: max(0, p - q) is 0 wherever p is."""
+    p = Candidates.of(p)
+    dev, K = p.probs.device, drafts.shape[0]
     if not K:
-        return torch.zeros((), dtype=torch.int64, device=p.device), sample_index(p[0], gen)
-    idx = torch.arange(K, device=p.device)
-    p_d = p[idx, drafts]
-    q_d = q[idx, drafts] if q is not None else torch.ones_like(p_d)
-    u = torch.rand(K, generator=gen, device=p.device)
+        return torch.zeros((), dtype=torch.int64, device=dev), p[0].sample(gen)
+    p_d = p[:K].prob(drafts)
+    q_d = Candidates.of(q)[:K].prob(drafts) if q is not None else torch.ones_like(p_d)
+    u = torch.rand(K, generator=gen, device=dev)
     a = (u * q_d <= p_d).to(torch.int64).cumprod(0).sum()
     # rejected at slot a < K: norm(max(0, p_a - q_a)) (p_a where that is all zero); all accepted: p_K
+    pa = p[a]
     if q is None:  # q_a: the point mass at d_a (none after the last draft)
-        q_a = torch.zeros_like(p[0]).scatter(0, torch.cat([drafts, drafts[:1]])[a].view(1),
-                                             (a < K).to(p.dtype).view(1))
+        d_a, on = torch.cat([drafts, drafts[:1]])[a], (a < K).to(pa.probs.dtype)
+        q_at = (torch.zeros_like(pa.probs).scatter(0, d_a.view(1), on.view(1)) if pa.ids is None
+                else (pa.ids == d_a).to(pa.probs.dtype) * on)
     else:
-        q_a = torch.cat([q, torch.zeros_like(q[:1])])[a]
-    residual = (p[a] - q_a).clamp_min(0)
+        q = Candidates.of(q)
+        q_a = Candidates(torch.cat([q.probs[:K], torch.zeros_like(q.probs[:1])])[a],
+                         None if q.ids is None else torch.cat([q.ids[:K], q.ids[:1]])[a])
+        q_at = q_a.on(pa.ids, pa.probs.shape[-1])
+    residual = (pa.probs - q_at).clamp_min(0)
     total = residual.sum()
-    dist = torch.where((a < K) & (total > 0), residual / total.clamp_min(1e-30), p[a])
-    return a, sample_index(dist, gen)
+    dist = torch.where((a < K) & (total > 0), residual / total.clamp_min(1e-30), pa.probs)
+    return a, Candidates(dist, pa.ids).sample(gen)
 
 
-def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:
-    """processed_probs(logits[i], params of row i) for the sampling rows, None for greedy rows; one call
+def row_probs(logits: torch.Tensor, reqs: list) -> list[Candidates | None]:
+    """processed(logits[i], params of row i) for the sampling rows, None for greedy rows; one call
     per distinct (temperature, top_k, top_p) rather than one per row. A row that is no distribution gets
     a one-hot in its place and its request a pending flag (`r.unsampleable`, a device bool), which the
     round's read turns into the request's `error` (`flag_errors`)."""
@@ -158,7 +160,7 @@ def row_probs(logits: torch.Tensor, reqs: list) -> list[torch.Tensor | None]:
     for rows in groups.values():
         # consecutive rows (every row of a batch of one setting) as a view: a list index copies [rows, T, V]
         pick = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
-        probs, bad = guard_rows(processed_probs(logits[pick], reqs[rows[0]].params))
+        probs, bad = guard_rows(processed(logits[pick], reqs[rows[0]].params))
         for j, i in enumerate(rows):
             out[i] = probs[j]
             r = reqs[i]

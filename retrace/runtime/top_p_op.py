@@ -60,17 +60,21 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return (by_candidates if logits.device.type == "cpu" else by_sort)(logits, top_p)
 
 
-def top_k_top_p(logits: torch.Tensor, k: int, top_p: float, temperature: float = 1.0) -> torch.Tensor:
-    """Top-k then top-p over the top-k's candidates only: the k largest logits (and up to TIE_ROOM more tied
-    with the k-th, which top-k keeps too), already in descending order, so top-p needs no sort of the
-    vocabulary on any device (at 151,936 ids: 4.8 -> ~0.7 ms a row on 2 CPU cores). The same distribution as
+def top_k_top_p(logits: torch.Tensor, k: int, top_p: float = 1.0,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k, then top-p over the top-k's candidates only -> (probabilities [..., C], their ids [..., C]): the
+    k largest logits (and up to TIE_ROOM more tied with the k-th, which top-k keeps too), already in descending
+    order, so top-p needs no sort of the vocabulary on any device (at 151,936 ids: 4.8 -> ~0.7 ms a row on 2 CPU
+    cores), and nothing is scattered back into the vocabulary (runtime/candidates.py). The same distribution as
     top-k's mask followed by the full sort, unless more than TIE_ROOM logits tie with the k-th. `temperature`
-    divides the candidates only (the order of the logits is the order of logits / temperature)."""
+    divides the candidates only (the order of the logits is the order of logits / temperature); top_p 1: top-k
+    alone."""
     vals, idx = topk(logits, min(logits.shape[-1], k + TIE_ROOM))
     vals = vals / temperature
     vals = vals.masked_fill(vals < vals[..., k - 1: k], float("-inf"))  # top-k: every logit >= the k-th
-    kept = _sorted_nucleus(vals, vals.softmax(-1), top_p)
-    return torch.zeros_like(logits).scatter(-1, idx, kept.softmax(-1))
+    if top_p < 1.0:
+        vals = _sorted_nucleus(vals, vals.softmax(-1), top_p)
+    return vals.softmax(-1), idx
 
 
 _lib.impl("top_p", _top_p, "CompositeExplicitAutograd")

@@ -52,10 +52,11 @@ class VerifyAndAccept:
                                            every_position(N, M, dev), tree_mask=tree.ancestor_mask())
         logits = min_length(logits, reqs, self.eos_ids, tree.depth)
         accepted, bonus, node, post = greedy_tree_accept(tree, logits)
-        for i, pi in enumerate(row_probs(logits, reqs)):  # sampling rows: the tree walk
+        V = logits.shape[-1]
+        for i, pi in enumerate(row_probs(logits, reqs)):  # sampling rows: the tree walk, over dense rows
             if pi is not None:
-                qi = p.q[i] if p.q[i] is None or p.space is None else p.space.probs_full(p.q[i])
-                accepted[i], bonus[i], node[i] = sample_tree_accept(tree, i, pi, reqs[i].generator, qi)
+                qi = p.q[i] if p.q[i] is None or p.space is None else p.space.to_target(p.q[i]).dense(V)
+                accepted[i], bonus[i], node[i] = sample_tree_accept(tree, i, pi.dense(V), reqs[i].generator, qi)
         end = continue_path(tree, node)  # the round path: accepted, then each node's best child
         path = root_path(tree, end)
         path_len = tree.depth[torch.arange(N, device=dev), end]
@@ -74,9 +75,9 @@ class VerifyAndAccept:
 
 def accept_chain(logits, drafts, q, reqs, verified, space=None):
     """logits [N, K+1, V], drafts [N, K]; row i judges only its first verified[i] drafts (None: all K); q [N]
-    of [>= K, Vd] the proposal distributions of sampling rows over `space` (None: the target's vocabulary; None,
-    or a None row: the drafts are point masses). -> (accepted [N], bonus [N], the target's argmax [N, K+1]);
-    sampling rows overwrite the first two."""
+    of [>= K] rows of candidates, the proposal distributions of sampling rows over `space` (None: the target's
+    vocabulary; None, or a None row: the drafts are point masses; runtime/candidates.py). -> (accepted [N],
+    bonus [N], the target's argmax [N, K+1]); sampling rows overwrite the first two."""
     K = drafts.shape[1]
     ks = host_values(verified) if verified is not None else [K] * len(reqs)
     if any(k < K for k in ks):  # drafts past a row's K can never match: -1 is no token
@@ -87,7 +88,7 @@ def accept_chain(logits, drafts, q, reqs, verified, space=None):
             k = ks[i]
             qi = q[i][:k] if q is not None and q[i] is not None else None  # None: point masses (prompt lookup)
             if qi is not None and space is not None:
-                qi = space.probs_full(qi)  # the rows it judges only
+                qi = space.to_target(qi)  # the rows it judges only
             accepted[i], bonus[i] = speculative_accept(p[: k + 1], qi, drafts[i, :k], r.generator)
     return accepted, bonus, target_argmax
 

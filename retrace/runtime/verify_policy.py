@@ -41,8 +41,8 @@ from typing import Protocol
 import torch
 
 from retrace.errors import RetraceError
-from retrace.runtime.argmax_op import argmax
 from retrace.runtime.calibration import Calibration
+from retrace.runtime.candidates import Candidates
 from retrace.runtime.cost_model import CostModel, probe
 from retrace.runtime.device import index_tensor, read, to_device
 from retrace.runtime.draft_tree import DraftTree
@@ -113,7 +113,7 @@ class FixedPolicy:
         pass
 
 
-def draft_confidence(draft_logits: torch.Tensor, q: list[torch.Tensor | None]) -> torch.Tensor:
+def draft_confidence(draft_logits: torch.Tensor, q: list[Candidates | torch.Tensor | None]) -> torch.Tensor:
     """[N, S]: the drafter's processed probability of its most likely token at each slot (greedy rows:
     softmax of the argmax = 1 / sum exp(l - max), which is the proposed token; sampling rows: max q).
 
@@ -127,8 +127,8 @@ def draft_confidence(draft_logits: torch.Tensor, q: list[torch.Tensor | None]) -
     # [2, 15, 8192] logits of the 0.6B-shape zoo pair, whose padded ids sit at -901)
     conf = draft_logits.float().softmax(-1).amax(-1)
     for i, qi in enumerate(q):
-        if qi is not None:  # max q via retrace::argmax (numpy's vectorised argmax; torch's max reduction is not)
-            conf[i] = qi.gather(-1, argmax(qi).unsqueeze(-1)).squeeze(-1)
+        if qi is not None:  # max q over its candidates (runtime/candidates.py)
+            conf[i] = Candidates.of(qi).top()
     return conf
 
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from retrace.runtime.candidates import Candidates
 from retrace.runtime.device import index_tensor, to_device
 from retrace.runtime.draft_space import DraftSpace
 from retrace.runtime.draft_tree import DraftTree
@@ -57,8 +58,8 @@ class Proposal:
     drafts: torch.Tensor  # [N, D] int64 proposed tokens after the anchor (tree: the drafter's top-1 per slot)
     verified: torch.Tensor | None  # [N] int64 drafts each row sends to the target (index_tensor); None: none
     slots: int = 0  # S: draft slots the drafter filled this round (0: no drafter call)
-    q: list[torch.Tensor | None] | None = None  # [N] of [S, Vd] the drafter's processed distribution over `space`
-    #   (sampling rows; None rows: greedy, or point-mass drafts)
+    q: list[Candidates | None] | None = None  # [N] of [S, C] the drafter's processed distribution over `space`'s
+    #   draft indices (sampling rows; runtime/candidates.py; None rows: greedy, or point-mass drafts)
     hidden: torch.Tensor | None = None  # [N, B, d] the drafter's final hidden states (None: no drafter call)
     draft_logits: torch.Tensor | None = None  # [N, S, Vd] the drafter's raw logits at slots 1..S, over `space`
     space: DraftSpace | None = None  # the index space of draft_logits' last dim (None: the target's vocab)

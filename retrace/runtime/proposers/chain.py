@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from retrace.runtime.candidates import Candidates
 from retrace.runtime.device import index_tensor
 from retrace.runtime.draft_space import DraftSpace
 from retrace.runtime.proposers.base import Proposal, RoundBatch, ranges
 from retrace.runtime.proposers.context import context
-from retrace.runtime.sampling import argmax, row_probs, sample_index
+from retrace.runtime.sampling import argmax, row_probs
 
 
 class DrafterCall:
@@ -45,16 +46,16 @@ class DrafterCall:
 
 
 def propose_tokens(draft_logits: torch.Tensor, reqs: list, space: DraftSpace | None = None
-                   ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+                   ) -> tuple[torch.Tensor, list[Candidates | None]]:
     """Greedy rows take the drafter's argmax; sampling rows sample from its processed distribution q
-    (q[i] is None for greedy rows) -> (drafts [N, S] target ids, q [S, Vd] over `space`: the verify expands
-    only the rows it judges, `space.probs_full`). draft_logits [N, S, Vd] over `space` (None: the target's
-    vocabulary)."""
+    (q[i] is None for greedy rows) -> (drafts [N, S] target ids, q [S] rows of candidates over `space`'s draft
+    indices, runtime/candidates.py: the verify maps the rows it judges to target ids, `space.to_target`).
+    draft_logits [N, S, Vd] over `space` (None: the target's vocabulary)."""
     index = argmax(draft_logits)
     q = row_probs(draft_logits, reqs)
     for i, r in enumerate(reqs):
         if q[i] is not None:
-            index[i] = sample_index(q[i], r.generator)  # one token per slot
+            index[i] = q[i].sample(r.generator)  # one token per slot
     return (index if space is None or space.full else space.tokens(index)), q
 
 
