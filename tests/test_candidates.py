@@ -34,7 +34,7 @@ def test_processed_is_the_dense_distribution(params):
     logits = torch.randn(3, 4, V, generator=torch.Generator().manual_seed(0)) * 2
     c = processed(logits, params)
     want = _reference(logits, params)
-    assert (c.ids is None) == (not params.top_k)  # top-k: candidates; otherwise the dense form
+    assert (c.ids is None) == (not params.top_k and params.top_p == 1.0)  # temperature alone: the dense form
     assert torch.allclose(c.dense(V), want, atol=1e-6)
     tok = torch.randint(0, V, (3, 4), generator=torch.Generator().manual_seed(1))
     assert torch.allclose(c.prob(tok), want.gather(-1, tok.unsqueeze(-1)).squeeze(-1), atol=1e-6)
@@ -42,6 +42,19 @@ def test_processed_is_the_dense_distribution(params):
     assert torch.allclose(c.on(ids, V), want.gather(-1, ids), atol=1e-6)
     assert torch.allclose(c.top(), want.amax(-1), atol=1e-6)
     assert torch.equal(c[1].dense(V), c.dense(V)[1]) and torch.equal(c[:, 2:].dense(V), c.dense(V)[:, 2:])
+
+
+def test_a_wide_nucleus_is_looked_up():
+    """top-p alone over flat logits: tens of thousands of candidates, looked up at thousands of ids."""
+    big = 40000
+    logits = torch.randn(2, big, generator=torch.Generator().manual_seed(9)) * 0.05
+    params = SamplingParams(temperature=1.0, top_p=0.99)
+    c = processed(logits, params)
+    assert c.ids.shape[-1] >= 16384
+    want = _reference(logits, params)
+    ids = torch.randint(0, big, (2, 3000), generator=torch.Generator().manual_seed(10))
+    assert torch.allclose(c.on(ids, big), want.gather(-1, ids), atol=1e-7)
+    assert torch.allclose(c.dense(big), want, atol=1e-7)
 
 
 def test_sample_draws_the_distribution_and_never_a_dropped_candidate():
@@ -71,11 +84,12 @@ def _joint(p, q, drafts, n, seed):
 
 
 @pytest.mark.parametrize("proposal", ["drafter", "point-mass"])
-def test_speculative_sampling_over_candidates_is_the_dense_law(proposal):
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=5, top_p=0.95),
+                                    SamplingParams(temperature=0.5, top_p=0.9)], ids=["top-k-top-p", "top-p"])
+def test_speculative_sampling_over_candidates_is_the_dense_law(proposal, params):
     """The same (accepted, bonus) law whether p and q come as candidates or as dense rows: the acceptance
     draws are the same (same generator, same p(d) and q(d)), the bonus is drawn from the same residual."""
     g = torch.Generator().manual_seed(6)
-    params = SamplingParams(temperature=1.0, top_k=5, top_p=0.95)
     p = processed(torch.randn(3, V, generator=g) * 1.5, params)
     q = processed(torch.randn(2, V, generator=g) * 1.5, params) if proposal == "drafter" else None
     drafts = (q if q is not None else p[:2]).sample(torch.Generator().manual_seed(7))

@@ -19,18 +19,21 @@ from retrace.runtime.argmax_op import argmax as argmax_op
 from retrace.runtime.candidates import Candidates, sample_index  # noqa: F401 (sample_index re-exported)
 from retrace.runtime.device import to_device
 from retrace.runtime.sampling_params import SamplingParams  # re-exported (defined without torch)
-from retrace.runtime.top_p_op import top_k_top_p, top_p_probs
+from retrace.runtime.top_p_op import top_k_top_p, top_p_candidates, top_p_probs
 
 
 def processed(logits: torch.Tensor, params: SamplingParams) -> Candidates:
     """Temperature, then top-k, then top-p (transformers' order) -> the distribution over [..., V] logits as
     its candidates (runtime/candidates.py): with top-k, the top-k's ids only (the temperature divides those
-    alone, runtime/top_p_op.py); without, the dense form (float32)."""
+    alone, runtime/top_p_op.py); top-p alone on the CPU, the candidates its kernel grew until they held the
+    nucleus; otherwise the dense form (float32; on CUDA top-p sorts the vocabulary)."""
     if params.top_k and params.top_k < logits.shape[-1]:
         return Candidates(*top_k_top_p(logits.float(), params.top_k, params.top_p, params.temperature))
     logits = logits.float() / params.temperature
+    if params.top_p < 1.0 and logits.device.type == "cpu":
+        return Candidates(*top_p_candidates(logits, params.top_p))  # runtime/top_p_op.py: no full sort
     if params.top_p < 1.0:
-        return Candidates(top_p_probs(logits, params.top_p))  # runtime/top_p_op.py: on the CPU no full sort
+        return Candidates(top_p_probs(logits, params.top_p))
     return Candidates(logits.softmax(-1))
 
 

@@ -1,6 +1,7 @@
 """Top-p (nucleus) filtering without a sort of the vocabulary: with top-k, over its candidates (`top_k_top_p`);
-alone, as one torch operator, `torch.ops.retrace.top_p(logits, top_p)` -> the processed
-probabilities [..., V]: the smallest prefix of the logits sorted high to low whose mass reaches top_p is kept
+alone, as one torch operator, `torch.ops.retrace.top_p(logits, top_p)` -> the processed probabilities [..., V]
+(`retrace::top_p_candidates`: the CPU kernel's candidates themselves, probabilities and ids [..., C],
+runtime/candidates.py): the smallest prefix of the logits sorted high to low whose mass reaches top_p is kept
 (a token is dropped when the mass before it already reaches top_p, transformers' rule), renormalised.
 
 Why an operator: the plain form sorts every logit of every row, 12 ms a row at Qwen3's 151,936 ids on 2 CPU
@@ -24,6 +25,7 @@ TIE_ROOM = 16  # top-k with top-p: candidates beyond the k-th kept for logits ti
 
 _lib = torch.library.Library("retrace", "FRAGMENT")
 _lib.define("top_p(Tensor logits, float top_p) -> Tensor")
+_lib.define("top_p_candidates(Tensor logits, float top_p) -> (Tensor, Tensor)")
 
 
 def _sorted_nucleus(vals: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -39,10 +41,19 @@ def by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def by_candidates(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The nucleus from growing top-k candidates (the CPU kernel)."""
+    """The nucleus from growing top-k candidates (the CPU kernel), as probabilities [..., V]."""
+    probs, idx = nucleus(logits, top_p)
+    return torch.zeros_like(logits).scatter(-1, idx, probs)
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nucleus from growing top-k candidates -> (probabilities [..., C], ids [..., C]), C >= the largest
+    row's nucleus (the rows' other candidates at probability 0; runtime/candidates.py); C = V sorted where V <=
+    FIRST_CANDIDATES."""
     V = logits.shape[-1]
     if V <= FIRST_CANDIDATES:
-        return by_sort(logits, top_p)
+        vals, order = torch.sort(logits, dim=-1, descending=True)
+        return _sorted_nucleus(vals, vals.softmax(-1), top_p).softmax(-1), order
     # the row's probabilities from torch's softmax kernel: logsumexp's exp takes CPU torch's slow path where
     # logits sit ~87 below the maximum (a padded vocabulary: 2.8 against 0.1 ms a row)
     p_all = logits.softmax(-1)
@@ -53,7 +64,7 @@ def by_candidates(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         if c == V or bool((probs.sum(-1) >= top_p).all()):
             break
         c = min(V, 4 * c)
-    return torch.zeros_like(logits).scatter(-1, idx, _sorted_nucleus(vals, probs, top_p).softmax(-1))
+    return _sorted_nucleus(vals, probs, top_p).softmax(-1), idx
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -80,3 +91,8 @@ def top_k_top_p(logits: torch.Tensor, k: int, top_p: float = 1.0,
 _lib.impl("top_p", _top_p, "CompositeExplicitAutograd")
 _lib.impl("top_p", lambda logits, top_p: torch.empty_like(logits), "Meta")  # shapes only
 top_p_probs = torch.ops.retrace.top_p.default
+# the CPU kernel's candidates themselves (the caller keeps the CPU for it: elsewhere a sort's C is the vocabulary)
+_lib.impl("top_p_candidates", nucleus, "CompositeExplicitAutograd")
+_lib.impl("top_p_candidates", lambda logits, top_p: (torch.empty_like(logits),  # shapes only: C <= V
+                                                      torch.empty_like(logits, dtype=torch.int64)), "Meta")
+top_p_candidates = torch.ops.retrace.top_p_candidates.default
