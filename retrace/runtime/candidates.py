@@ -46,10 +46,6 @@ class Candidates:
         """A dense probability tensor [..., V] as the dense form; Candidates as they are."""
         return x if isinstance(x, Candidates) else cls(x)
 
-    @property
-    def dense_form(self) -> bool:
-        return self.ids is None
-
     def __getitem__(self, i) -> Candidates:
         """Rows (any index of the leading dimensions: an int, a slice, a 0-dim tensor)."""
         return Candidates(self.probs[i], None if self.ids is None else self.ids[i])
