@@ -480,7 +480,10 @@ class OnnxRuntimeBackend:
         # scattered slots: their caches up to the call's end gathered into a buffer of that capacity (the
         # operator needs only capacity >= past + T), the new entries written back below
         if rows is None:
-            kv = torch.index_select(self.tcache.kv[:, :, :, :total], 1, slots.to(self.device))
+            src = self.tcache.kv[:, :, :, :total]
+            # a call from position 0 (a prefill's first chunk) reads nothing of its slots' past: no gather
+            kv = (src.new_empty(src.shape[0], N, *src.shape[2:]) if total == rows_in
+                  else torch.index_select(src, 1, slots.to(self.device)))
             caches = dict(zip(g.past_names, kv, strict=True))
             presents = as_presents(caches)
         else:  # the same view objects every call for these rows: bound once (ort_io_binding.BoundSession)
