@@ -57,6 +57,35 @@ def test_calls_match_the_portable_graph(backends):
         assert torch.allclose(ref.tcache.kv[:, s, :, :n], new.tcache.kv[:, s, :, :n], atol=1e-5)
 
 
+def test_a_scattered_prefill_from_position_0_gathers_nothing(one_thread, monkeypatch):
+    """Prompts grouped by length put scattered slots in one prefill call while the slot between them is live:
+    the call reads none of its slots' past, so it binds an empty buffer instead of gathering their caches (the
+    same logits, taps and written entries as the portable graph; the live slot untouched)."""
+    built = pair_and_bundle()
+    ref, new = (OnnxRuntimeBackend.from_bundle(built.bundle, max_batch=3, threads=1, verify=False, kv_mode=m)
+                for m in ("gather", None))
+    V = ref.target_config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    call_both(ref, new, torch.tensor([1]), torch.randint(0, V, (1, 6), generator=g), torch.arange(6)[None],
+              torch.tensor([[5]]))  # slot 1 live
+    live = new.tcache.kv[:, 1, :, :6].clone()
+    gathers = []
+    real = torch.index_select
+    cache = new.tcache.kv.data_ptr()
+    monkeypatch.setattr(torch, "index_select",
+                        lambda x, *a, **k: gathers.append(x.data_ptr() == cache) or real(x, *a, **k))
+    call_both(ref, new, torch.tensor([0, 2]), torch.randint(0, V, (2, 5), generator=g),
+              torch.arange(5).expand(2, 5), torch.tensor([[4], [4]]))
+    monkeypatch.undo()
+    assert not any(gathers)  # nothing read from the in-place backend's caches
+    for s in (0, 2):
+        assert torch.allclose(ref.tcache.kv[:, s, :, :5], new.tcache.kv[:, s, :, :5], atol=1e-5)
+    assert torch.equal(new.tcache.kv[:, 1, :, :6], live)
+    # and the next step of both rows (a scattered decode with slot 1 live: a gather) still agrees
+    call_both(ref, new, torch.tensor([0, 2]), torch.randint(0, V, (2, 1), generator=g),
+              torch.tensor([[5], [5]]), torch.tensor([[0], [0]]))
+
+
 def test_scattered_slots_with_free_gaps_run_over_the_covering_range(one_thread):
     """Slots [0, 2] once slot 1 is released: the in-place backend runs rows 0..2 (slot 1 a dummy row) instead
     of gathering the caches, and gives the gather graph's logits, taps and entries; the rows it was asked for
