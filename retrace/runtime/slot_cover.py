@@ -9,8 +9,9 @@ for [0, 1, 2] (the gather alone 123-293 ms for 138 MB of K/V; benchmarks/scatter
 docs/onnxruntime-backend.md). A dummy row costs what one more row of the
 call's weights pass does (fp32 at batch 3-4: ~5%; int4, compute-bound past two rows: ~0.45 of a decode).
 
-Only calls of at most MAX_TOKENS tokens (decodes, verifies, trees): a prefill's gather copies little (its
-past is short) while a dummy row would compute the whole prompt's width (at that shape ~24 ms per token).
+Only calls of at most MAX_TOKENS tokens (decodes, verifies, trees): a prefill gathers nothing from position 0
+(the backend binds an empty past) and little for a later chunk, while a dummy row would compute the whole
+prompt's width (at that shape ~24 ms per token).
 
 A dummy row: token 0 at positions 0 .. T-1 of its free slot, whose cache holds nothing live (the next request
 admitted there is prefilled from position 0 over it). A slot is free from the start and after `release` until
