@@ -193,7 +193,10 @@ def test_top_p_over_the_top_k_candidates_is_the_full_sort():
     """With top-k set, top-p runs over the top-k's candidates (no sort over the vocabulary): the same kept tokens
     and probabilities as top-k's mask followed by a sort of every logit (the path without top-k), ties with the
     k-th logit kept; where tokens tie inside the nucleus, the same number of them."""
-    from retrace.runtime.sampling import processed_probs
+    from retrace.runtime.sampling import processed
+
+    def processed_probs(logits, params):  # the candidates as probabilities [..., V]
+        return processed(logits, params).dense(logits.shape[-1])
 
     def full_sort(logits, k, top_p):
         logits = logits / 0.7
@@ -231,17 +234,19 @@ def test_sample_index_draws_the_distribution_and_never_a_zero():
 
 
 def test_top_p_from_growing_candidates_is_the_full_sort():
-    """retrace::top_p's CPU kernel (runtime/top_p_op.py): candidates from top-k, grown until they hold top_p of
-    the mass, give the sort's nucleus: peaked rows (256 candidates suffice) and flat ones (they grow), logits
-    with -inf entries (min_tokens' EOS mask), rows of another shape; ties at the top keep the same number."""
-    from retrace.runtime.top_p_op import by_candidates, by_sort
+    """retrace::top_p_candidates's CPU kernel (runtime/top_p_op.py): candidates from top-k, grown until they
+    hold top_p of the mass, give the sort's nucleus: peaked rows (256 candidates suffice) and flat ones (they
+    grow), logits with -inf entries (min_tokens' EOS mask), rows of another shape; ties at the top keep the same
+    number."""
+    from retrace.runtime.candidates import Candidates
+    from retrace.runtime.top_p_op import by_sort, nucleus
 
     g = torch.Generator().manual_seed(1)
     for vocab, scale, top_p in itertools.product((300, 5000, 40000), (0.05, 1.0, 6.0), (0.5, 0.9, 0.99)):
         x = torch.randn(2, 3, vocab, generator=g) * scale
         x[0, 1, :7] = float("-inf")
         x[1, 2, :4] = x[1, 2].max() + 1  # four logits tied at the top
-        got, want = by_candidates(x, top_p), by_sort(x, top_p)
+        got, want = Candidates(*nucleus(x, top_p)).dense(vocab), by_sort(x, top_p)
         assert torch.equal((got > 0).sum(-1), (want > 0).sum(-1)), (vocab, scale, top_p)
         rest = torch.ones(2, 3, dtype=torch.bool)
         rest[1, 2] = False

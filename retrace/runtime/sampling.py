@@ -19,7 +19,7 @@ from retrace.runtime.argmax_op import argmax as argmax_op
 from retrace.runtime.candidates import Candidates, sample_index  # noqa: F401 (sample_index re-exported)
 from retrace.runtime.device import to_device
 from retrace.runtime.sampling_params import SamplingParams  # re-exported (defined without torch)
-from retrace.runtime.top_p_op import top_k_top_p, top_p_candidates, top_p_probs
+from retrace.runtime.top_p_op import by_sort, top_k_top_p, top_p_candidates
 
 
 def processed(logits: torch.Tensor, params: SamplingParams) -> Candidates:
@@ -33,13 +33,8 @@ def processed(logits: torch.Tensor, params: SamplingParams) -> Candidates:
     if params.top_p < 1.0 and logits.device.type == "cpu":
         return Candidates(*top_p_candidates(logits, params.top_p))  # runtime/top_p_op.py: no full sort
     if params.top_p < 1.0:
-        return Candidates(top_p_probs(logits, params.top_p))
+        return Candidates(by_sort(logits, params.top_p))
     return Candidates(logits.softmax(-1))
-
-
-def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """`processed` as probabilities [..., V] (float32)."""
-    return processed(logits, params).dense(logits.shape[-1])
 
 
 def unsampleable(probs: torch.Tensor) -> torch.Tensor:
@@ -125,12 +120,12 @@ def speculative_accept(p: Candidates | torch.Tensor, q: Candidates | torch.Tenso
     ids (runtime/candidates.py, or dense [.., V] tensors; q None: each draft a point mass, q(d) = 1: prompt
     lookup's copied tokens), drafts [K] -> (accepted a, bonus token), 0-dim tensors on p's device (no read
     back: the loop reads the round once). Every pass is over p's candidates: max(0, p - q) is 0 wherever p is."""
-    p = Candidates.of(p)
+    p, q = Candidates.of(p), None if q is None else Candidates.of(q)
     dev, K = p.probs.device, drafts.shape[0]
     if not K:
         return torch.zeros((), dtype=torch.int64, device=dev), p[0].sample(gen)
     p_d = p[:K].prob(drafts)
-    q_d = Candidates.of(q)[:K].prob(drafts) if q is not None else torch.ones_like(p_d)
+    q_d = q[:K].prob(drafts) if q is not None else torch.ones_like(p_d)
     u = torch.rand(K, generator=gen, device=dev)
     a = (u * q_d <= p_d).to(torch.int64).cumprod(0).sum()
     # rejected at slot a < K: norm(max(0, p_a - q_a)) (p_a where that is all zero); all accepted: p_K
@@ -140,7 +135,6 @@ def speculative_accept(p: Candidates | torch.Tensor, q: Candidates | torch.Tenso
         q_at = (torch.zeros_like(pa.probs).scatter(0, d_a.view(1), on.view(1)) if pa.ids is None
                 else (pa.ids == d_a).to(pa.probs.dtype) * on)
     else:
-        q = Candidates.of(q)
         q_a = Candidates(torch.cat([q.probs[:K], torch.zeros_like(q.probs[:1])])[a],
                          None if q.ids is None else torch.cat([q.ids[:K], q.ids[:1]])[a])
         q_at = q_a.on(pa.ids, pa.probs.shape[-1])

@@ -1,8 +1,9 @@
 """Top-p (nucleus) filtering without a sort of the vocabulary: with top-k, over its candidates (`top_k_top_p`);
-alone, as one torch operator, `torch.ops.retrace.top_p(logits, top_p)` -> the processed probabilities [..., V]
-(`retrace::top_p_candidates`: the CPU kernel's candidates themselves, probabilities and ids [..., C],
-runtime/candidates.py): the smallest prefix of the logits sorted high to low whose mass reaches top_p is kept
-(a token is dropped when the mass before it already reaches top_p, transformers' rule), renormalised.
+alone on the CPU, as one torch operator, `torch.ops.retrace.top_p_candidates(logits, top_p)` -> the nucleus
+as candidates, probabilities and ids [..., C] (runtime/candidates.py); on other devices `by_sort`, the
+processed probabilities [..., V]. Either way the smallest prefix of the logits sorted high to low whose mass
+reaches top_p is kept (a token is dropped when the mass before it already reaches top_p, transformers' rule),
+renormalised.
 
 Why an operator: the plain form sorts every logit of every row, 12 ms a row at Qwen3's 151,936 ids on 2 CPU
 cores (a 16-row verify ~100 ms, more than its forward). The CPU kernel sorts only candidates: the row's top 256
@@ -24,7 +25,6 @@ FIRST_CANDIDATES = 256
 TIE_ROOM = 16  # top-k with top-p: candidates beyond the k-th kept for logits tied with it
 
 _lib = torch.library.Library("retrace", "FRAGMENT")
-_lib.define("top_p(Tensor logits, float top_p) -> Tensor")
 _lib.define("top_p_candidates(Tensor logits, float top_p) -> (Tensor, Tensor)")
 
 
@@ -34,16 +34,15 @@ def _sorted_nucleus(vals: torch.Tensor, probs: torch.Tensor, top_p: float) -> to
 
 
 def by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The nucleus from a sort of every logit (other devices; and the reference of the tests)."""
+    """The nucleus from a sort of every logit, as probabilities [..., V] (other devices; the tests' reference)."""
+    probs, order = _sort_nucleus(logits, top_p)
+    return torch.zeros_like(logits).scatter(-1, order, probs)
+
+
+def _sort_nucleus(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (probabilities [..., V] in descending order of the logits, that order)."""
     vals, order = torch.sort(logits, dim=-1, descending=True)
-    kept = _sorted_nucleus(vals, vals.softmax(-1), top_p)
-    return torch.zeros_like(logits).scatter(-1, order, kept.softmax(-1))
-
-
-def by_candidates(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The nucleus from growing top-k candidates (the CPU kernel), as probabilities [..., V]."""
-    probs, idx = nucleus(logits, top_p)
-    return torch.zeros_like(logits).scatter(-1, idx, probs)
+    return _sorted_nucleus(vals, vals.softmax(-1), top_p).softmax(-1), order
 
 
 def nucleus(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +51,7 @@ def nucleus(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Ten
     FIRST_CANDIDATES."""
     V = logits.shape[-1]
     if V <= FIRST_CANDIDATES:
-        vals, order = torch.sort(logits, dim=-1, descending=True)
-        return _sorted_nucleus(vals, vals.softmax(-1), top_p).softmax(-1), order
+        return _sort_nucleus(logits, top_p)
     # the row's probabilities from torch's softmax kernel: logsumexp's exp takes CPU torch's slow path where
     # logits sit ~87 below the maximum (a padded vocabulary: 2.8 against 0.1 ms a row)
     p_all = logits.softmax(-1)
@@ -65,10 +63,6 @@ def nucleus(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Ten
             break
         c = min(V, 4 * c)
     return _sorted_nucleus(vals, probs, top_p).softmax(-1), idx
-
-
-def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    return (by_candidates if logits.device.type == "cpu" else by_sort)(logits, top_p)
 
 
 def top_k_top_p(logits: torch.Tensor, k: int, top_p: float = 1.0,
@@ -88,10 +82,7 @@ def top_k_top_p(logits: torch.Tensor, k: int, top_p: float = 1.0,
     return vals.softmax(-1), idx
 
 
-_lib.impl("top_p", _top_p, "CompositeExplicitAutograd")
-_lib.impl("top_p", lambda logits, top_p: torch.empty_like(logits), "Meta")  # shapes only
-top_p_probs = torch.ops.retrace.top_p.default
-# the CPU kernel's candidates themselves (the caller keeps the CPU for it: elsewhere a sort's C is the vocabulary)
+# the CPU kernel (the caller keeps it for the CPU: elsewhere `by_sort`, whose C would be the vocabulary)
 _lib.impl("top_p_candidates", nucleus, "CompositeExplicitAutograd")
 _lib.impl("top_p_candidates", lambda logits, top_p: (torch.empty_like(logits),  # shapes only: C <= V
                                                       torch.empty_like(logits, dtype=torch.int64)), "Meta")

@@ -55,8 +55,7 @@ class VerifyAndAccept:
         V = logits.shape[-1]
         for i, pi in enumerate(row_probs(logits, reqs)):  # sampling rows: the tree walk, over dense rows
             if pi is not None:
-                qi = p.q[i] if p.q[i] is None or p.space is None else p.space.to_target(p.q[i])
-                qi = None if qi is None else qi.dense(V)
+                qi = None if p.q[i] is None else (p.q[i] if p.space is None else p.space.to_target(p.q[i])).dense(V)
                 accepted[i], bonus[i], node[i] = sample_tree_accept(tree, i, pi.dense(V), reqs[i].generator, qi)
         end = continue_path(tree, node)  # the round path: accepted, then each node's best child
         path = root_path(tree, end)
