@@ -189,6 +189,9 @@ main.add_command(eval_cmd)
               help="precisions (comma list of fp32, int8, int4, int4:BLOCK, w8a8): our bundles (retrace-export build "
                    "--weights), onnxruntime-genai's builder models and llama.cpp's GGUF (int4: Q4_K_M, int8: Q8_0) at "
                    "each (w8a8: ours only); quantized systems' names end in -int4 etc.")
+@click.option("--drafter-weights", type=click.Choice(["fp32", "int8", "int4", "w8a8"]), default=None,
+              help="our bundles' drafter at this precision (retrace-export build --drafter-weights; default: the "
+                   "target's); the bench JSON records it, system names stay as they are")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0: greedy, outputs compared token for token; > 0: every system samples at this temperature, "
                    "--top-p and --top-k with its own sampler (Qwen3's non-thinking setting: 0.7, 0.8, 20)")
@@ -199,7 +202,7 @@ main.add_command(eval_cmd)
 def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, limit, threads, systems, cache_dir,
           no_build_engine, draft_ar, peer_env, json_out, plot_out, profile_out, readme_table, verify_policy,
           tree_budget, tree_sources, prompt_lookup, tree_fixed, markdown_out, device, dtype, compile_steps,
-          no_cuda_graphs, row_invariance, from_json, weights, temperature, top_p, top_k, seed) -> None:
+          no_cuda_graphs, row_invariance, from_json, weights, drafter_weights, temperature, top_p, top_k, seed) -> None:
     """Benchmark ReTrace (torch and ONNX Runtime backends; ar, dflash, retrace modes) against transformers,
     transformers' DFlash and onnxruntime-genai, interleaved over runs; JSON, plots and a table."""
     from retrace.bench.cli import bench_command, command_line
@@ -212,6 +215,7 @@ def bench(target, drafter, engine, prompts, max_new_tokens, batch_sizes, runs, l
                   from_json=from_json, command=command_line(click.get_current_context()),
                   verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
                   tree_fixed=tree_fixed, prompt_lookup=bool(LOOKUP[prompt_lookup]), weights=weights,
+                  drafter_weights=drafter_weights,
                   device=device, dtype=dtype, compile_steps=compile_steps,
                   cuda_graphs=False if no_cuda_graphs else None, row_invariant=row_invariance is not False,
                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

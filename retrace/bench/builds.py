@@ -280,14 +280,16 @@ def exporter_available() -> str | None:
 
 
 def build_ort_bundle(target_dir: str | Path, drafter_dir: str | Path, cache_dir: str | Path, max_batch: int,
-                     max_seq_len: int, weights: str = "fp32") -> tuple[Path, dict]:
+                     max_seq_len: int, weights: str = "fp32", drafter_weights: str | None = None) -> tuple[Path, dict]:
     """`retrace-export build --target --drafter --out` into the cache (once per checkpoint content and sizes;
     the pair's ONNX exports once for all of them: cache_dir/exports, retrace/export/export_cache.py);
-    weights "int4" / "int8" (or "int4:B": quantization block B): `--weights` (`--weight-block-size B`)."""
+    weights "int4" / "int8" (or "int4:B": quantization block B): `--weights` (`--weight-block-size B`);
+    drafter_weights: `--drafter-weights` (None: the drafter at the target's precision)."""
     why = exporter_available()
     if why:
         raise MissingDependencyError(why)
-    extra = f"{max_batch}/{max_seq_len}" + ("" if weights == "fp32" else f"/{weights}")
+    extra = (f"{max_batch}/{max_seq_len}" + ("" if weights == "fp32" else f"/{weights}")
+             + ("" if drafter_weights is None else f"/drafter-{drafter_weights}"))
     root = Path(cache_dir) / f"bundle-{dir_digest(target_dir, drafter_dir, extra=extra)}"
     out = root / "bundle"
     info = {"cache": str(root), "built": False, "build_s": 0.0}
@@ -300,6 +302,8 @@ def build_ort_bundle(target_dir: str | Path, drafter_dir: str | Path, cache_dir:
         if weights != "fp32":
             w, _, block = weights.partition(":")
             cmd += ["--weights", w, *(["--weight-block-size", block] if block else [])]
+        if drafter_weights is not None:
+            cmd += ["--drafter-weights", drafter_weights]
         info["build_s"] = _run(cmd, "retrace-export build", root / "build.log")
         info["built"] = True
         info["command"] = " ".join(cmd)

@@ -65,7 +65,8 @@ def bench_command(*, target, drafter, engine, prompts, max_new_tokens, batch_siz
                   cache_dir, build_engine, json_out, plot_out, profile_out, readme_table, markdown_out, from_json,
                   command, draft_ar=None, peer_env="measure", verify_policy: str = "adaptive", tree_budget: int = 0,
                   tree_sources: str = "topk,suffix,target", tree_fixed: str = "", prompt_lookup: bool = False,
-                  weights: str = "fp32", device: str | None = None, dtype: str | None = None,
+                  weights: str = "fp32", drafter_weights: str | None = None, device: str | None = None,
+                  dtype: str | None = None,
                   compile_steps: bool = False, cuda_graphs: bool | None = None, row_invariant: bool = True,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
     if from_json:
@@ -90,7 +91,8 @@ def bench_command(*, target, drafter, engine, prompts, max_new_tokens, batch_siz
                       profile=profile_out, command=command, draft_ar=draft_ar, peer_env=peer_env,
                       verify_policy=verify_policy, tree_budget=tree_budget, tree_sources=tree_sources,
                       tree_fixed=parse_batch_sizes(tree_fixed, "--tree-fixed") if tree_fixed else (),
-                      prompt_lookup=prompt_lookup, weights=parse_weights(weights), device=device, dtype=dtype,
+                      prompt_lookup=prompt_lookup, weights=parse_weights(weights), drafter_weights=drafter_weights,
+                      device=device, dtype=dtype,
                       compile_steps=compile_steps, cuda_graphs=cuda_graphs, row_invariant=row_invariant,
                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     return run_and_report(cfg, json_out, plot_out, readme_table, markdown_out=markdown_out)

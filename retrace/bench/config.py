@@ -48,6 +48,7 @@ class BenchConfig:
     prompt_lookup: bool = False  # also retrace-<backend>-<mode>-lookup[-first]: verify_policy + prompt lookup
     #   (-first: PromptLookup(first=True), runtime/proposers/lookup_first.py)
     weights: tuple[str, ...] = ("fp32",)  # the precision axis (retrace.bench.precision): ours and the peers'
+    drafter_weights: str | None = None  # our bundles' drafter precision (None: the target's; build --drafter-weights)
     device: str | None = None  # the torch backend's device (None: cpu) and dtype (None: float32)
     dtype: str | None = None
     compile_steps: bool = False  # the torch backend's steps under torch.compile

@@ -183,7 +183,8 @@ def _ort_systems(built: Built, cfg: BenchConfig, weights: str, suffix: str, cach
             from retrace.bench.builds import build_ort_bundle
 
             log(f"building the ONNX Runtime engine bundle ({weights}, cached)")
-            path, info = build_ort_bundle(cfg.target, cfg.drafter, cache, max_batch, bundle_seq_len, weights)
+            path, info = build_ort_bundle(cfg.target, cfg.drafter, cache, max_batch, bundle_seq_len, weights,
+                                          cfg.drafter_weights)
             built.builds[key] = info
             bundle = str(path)
         else:

@@ -76,6 +76,10 @@ class BuildOptions:
     weight_block_size: int | None = None
     accuracy_level: int | None = None
     head_block_size: int | None = None
+    # the drafter's own precision (fp32, int8, int4, w8a8; its kind's default block and accuracy level): None
+    # quantizes it as `weights` says. The drafter's numerics never change the output (verification decides);
+    # at the Qwen3-0.6B shape an int8 drafter beside an fp32 target drafts at 0.15 of a decode instead of 0.20
+    drafter_weights: str | None = None
     export_cache: Path | None = None  # retrace/export/export_cache.py (None: $RETRACE_EXPORT_CACHE, if set)
 
     def __post_init__(self):
@@ -87,9 +91,14 @@ class BuildOptions:
         from retrace.export.quantize import WeightQuant
 
         self.quant = WeightQuant(self.weights, self.weight_block_size, self.accuracy_level, self.head_block_size)
-        if self.quant.quantized and (self.backend != "onnxruntime" or self.dtype != "float32"):
-            raise RetraceError(f"--weights {self.weights} builds ONNX Runtime quantized graphs from float32 weights: "
-                               "use it with --backend onnxruntime --dtype float32")
+        self.drafter_quant = (self.quant if self.drafter_weights in (None, self.weights)
+                              else WeightQuant(self.drafter_weights))
+        if self.drafter_weights is not None and self.drafter is None:
+            raise RetraceError("--drafter-weights needs --drafter (a target-only bundle has no drafter to quantize)")
+        for option, q in (("--weights", self.quant), ("--drafter-weights", self.drafter_quant)):
+            if q.quantized and (self.backend != "onnxruntime" or self.dtype != "float32"):
+                raise RetraceError(f"{option} {q.weights} builds ONNX Runtime quantized graphs from float32 "
+                                   "weights: use it with --backend onnxruntime --dtype float32")
 
 
 @dataclass
@@ -297,18 +306,22 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
             parity["drafter"] = run_parity("drafter", drafter, ctx.graphs["drafter"].path, block, tolerance)
             reporter.note(_parity_note(parity["drafter"]))
 
-    quantization = None
-    if opts.quant.quantized:  # after the fp32 parity check: the quantized graphs are the deployed target
-        q = opts.quant
-        with reporter.stage(f"quantize weights ({q.weights}, per-row int8 activations)" if q.row_scaled else
-                            f"quantize weights ({q.weights}, block {q.block}, LM head block {q.head_block}, "
-                            f"accuracy level {q.level})"):
+    sections = {}  # manifest section -> its record: "quantization" (the target's precision, and the drafter's
+    # when it is the same), "drafter_quantization" (a drafter quantized at its own --drafter-weights)
+    own = opts.drafter_quant is not opts.quant
+    for section, q, names in (("quantization", opts.quant, [n for n in ctx.graphs if not own or n == "target"]),
+                              ("drafter_quantization", opts.drafter_quant, ["drafter"] if own else [])):
+        if not q.quantized or not names:
+            continue
+        with reporter.stage(f"quantize {' and '.join(names)} ({q.weights}, per-row int8 activations)" if q.row_scaled
+                            else f"quantize {' and '.join(names)} ({q.weights}, block {q.block}, LM head block "
+                            f"{q.head_block}, accuracy level {q.level})"):
             from retrace.export.quantize import quantize_bundle
 
-            quantization = quantize_bundle(ctx.graphs, target, q, reporter.note)
+            sections[section] = quantize_bundle({n: ctx.graphs[n] for n in names}, target, q, reporter.note)
         with reporter.stage("check quantized graphs (onnx.checker)"):
-            for name, g in ctx.graphs.items():  # the drafter's fusion node inlined (retrace.export.inline_fusion)
-                onnx_export.check_graph(g.path, name, expect_fusion_nodes=0)
+            for name in names:  # the drafter's fusion node inlined (retrace.export.inline_fusion)
+                onnx_export.check_graph(ctx.graphs[name].path, name, expect_fusion_nodes=0)
 
     shared: dict[str, str] = {}
     if drafter is not None:
@@ -324,8 +337,11 @@ def _build_into(staging: Path, opts: BuildOptions, tcfg, dcfg, hook, reporter: R
                       "(generate with token ids)")
 
     ctx.manifest = _manifest(opts, tcfg, dcfg, drafter, block, ctx.graphs, parity, tok)
-    if quantization is not None:
-        ctx.manifest["weights"], ctx.manifest["quantization"] = opts.quant.weights, quantization
+    if "quantization" in sections:
+        ctx.manifest["weights"] = opts.quant.weights
+    if own:
+        ctx.manifest["drafter_weights"] = opts.drafter_quant.weights
+    ctx.manifest.update(sections)
     if drafter is not None:
         from retrace.export.draft_vocab import copy_draft_vocab
 
