@@ -57,7 +57,7 @@ def test_missing_llama_cpp_is_a_row_with_the_install_command(monkeypatch, tmp_pa
 
 def test_the_bench_builds_a_quantized_bundle_into_its_cache(monkeypatch, tmp_path):
     """build_ort_bundle at int4:64 runs `retrace-export build --weights int4 --weight-block-size 64` into a
-    cache entry of its own (the fp32 entry keeps its key)."""
+    cache entry of its own (the fp32 entry keeps its key), and --drafter-weights int8 one of its own too."""
     from retrace.bench import builds
 
     seen = []
@@ -67,7 +67,9 @@ def test_the_bench_builds_a_quantized_bundle_into_its_cache(monkeypatch, tmp_pat
     (tmp_path / "t" / "config.json").write_text(json.dumps({}))
     q, _ = builds.build_ort_bundle(tmp_path / "t", tmp_path / "t", tmp_path / "cache", 4, 512, "int4:64")
     f, _ = builds.build_ort_bundle(tmp_path / "t", tmp_path / "t", tmp_path / "cache", 4, 512)
-    assert q != f
+    d, _ = builds.build_ort_bundle(tmp_path / "t", tmp_path / "t", tmp_path / "cache", 4, 512, "fp32", "int8")
+    assert len({q, f, d}) == 3
     assert seen[0][-4:] == ["--weights", "int4", "--weight-block-size", "64"] and "--weights" not in seen[1]
+    assert seen[2][-2:] == ["--drafter-weights", "int8"] and "--weights" not in seen[2]
     for cmd in seen:  # every bundle of the pair reuses its one export
         assert cmd[cmd.index("--export-cache") + 1] == str(tmp_path / "cache" / "exports")

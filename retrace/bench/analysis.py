@@ -133,6 +133,7 @@ def assemble(cfg: BenchConfig, built: Built, runs: dict, prompts: list[BenchProm
                    "truncated_prompts": sum(p.truncated > 0 for p in prompts),
                    "max_new_tokens": N, "batch_sizes": list(batch_sizes), "runs": cfg.runs, "threads": threads,
                    "block_size": built.block_size, "row_invariant": cfg.row_invariant,
+                   **({"drafter_weights": cfg.drafter_weights} if cfg.drafter_weights else {}),
                    "greedy": decoding.greedy, "decoding": decoding.to_dict(), "decoding_text": decoding.describe(),
                    "eos": "ignored by every system (exactly max_new_tokens each)",
                    "expected_tokens_per_run": expected},

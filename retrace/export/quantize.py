@@ -21,6 +21,13 @@ backend of a quantized bundle, inlines it at load anyway), so its three linear l
 Then retrace.export.nbits_fusions merges the parallel MatMulNBits (q/k/v, gate/up) and fuses each residual
 Add + RMSNormalization into ONNX Runtime's SkipSimplifiedLayerNormalization (`fuse=False`: without them).
 
+`--drafter-weights` quantizes the drafter at a precision of its own (its kind's default block and accuracy
+level; `fp32` keeps it float beside a quantized target): a draft only proposes, so its numerics move
+acceptance and the draft call's cost, never the output. Its head is then its own packed copy (the target's
+is at another precision), of which the runtime reads only the draft vocabulary's rows. The manifest's
+`quantization` section describes the target (and the drafter when both share one precision),
+`drafter_quantization` a drafter at its own.
+
 `agreement` measures the quantized graph against the fp32 model on held-out random prompts (top-1
 agreement and max |logit error|): recorded in the manifest as information, not a gate. Speculative
 decoding stays exact relative to the quantized target itself (its own greedy decode), which is what the
