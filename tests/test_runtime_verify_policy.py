@@ -245,28 +245,3 @@ def test_draft_width_is_the_cheapest_rate_and_explores():
     w2 = DraftWidth(16)
     counts(w2, 15, [1, 0, 0, 2])
     assert [w2.choose("retrace", 1, flat) for _ in range(16)] == [15] * 15 + [7]
-
-
-def test_a_sweep_widens_the_next_draft_width():
-    """runtime/draft_width.py `widen`: a round in which every row accepted all S drafts of a narrower width makes
-    the next width chosen after its read at least the next wider one, once; a round some row did not sweep, or
-    `widen=False`, leaves the choice to the rates."""
-    from retrace.runtime.cost_model import CostModel
-    from retrace.runtime.draft_width import DraftWidth
-
-    cost = CostModel()
-    for t in (1, 2, 4, 8, 16):
-        cost.observe_verify(1, t, 1.0 + 0.1 * (t - 1), warm=True)
-    cost.observe_draft(1, 0.6, 15, warm=True)
-
-    def after(width: DraftWidth, accepted: list[int]) -> list[int]:
-        for _ in range(40):  # drafts past the first rarely accepted: the narrow block is the best rate
-            width.observe("retrace", 15, torch.full((4,), 15), torch.tensor([1, 0, 0, 2]))
-        width.absorb("retrace", width.pending("retrace").tolist())
-        width.observe("retrace", 3, torch.full((4,), 3), torch.tensor(accepted))  # one round at width 3
-        width.absorb("retrace", width.pending("retrace").tolist())
-        return [width.choose("retrace", 1, cost) for _ in range(3)]
-
-    assert after(DraftWidth(16), [3, 3, 3, 3]) == [7, 3, 3]
-    assert after(DraftWidth(16), [3, 3, 2, 3]) == [3, 3, 3]
-    assert after(DraftWidth(16, widen=False), [3, 3, 3, 3]) == [3, 3, 3]

@@ -18,13 +18,6 @@ drafter trained on blocks of 16 drafts worse in a narrower one (0.6B shape, int4
 rate pooled over the widths (PRIOR pseudo-counts). Every `explore`-th drafted round drafts a neighbour of
 the best width (narrower and wider in turn), so the others stay measured; before any drafted round, the
 whole block. The output never depends on the width: any drafts are verified.
-
-A sweep widens: a round in which every row accepted every one of its S drafts (narrower than the block)
-says the text is easy right now, which the decayed counts, averaged over easy and hard stretches alike,
-learn only slowly; so the next width chosen after it is read is at least the next wider one (`widen`). At
-the 0.6B shape, fp32, batch 1, a width-7 round verified all 7 drafts in 54 rounds and accepted all of them in
-38, while the whole block was drafted once in 1206 rounds (docs/bench/qwen3-0.6b-drafter-precision-2026-12-07.md).
-The flag rides on the same read as the counts, so it steers the round after the next one.
 """
 
 from __future__ import annotations
@@ -35,14 +28,12 @@ PRIOR = 2.0  # pseudo-counts of the pooled rate behind each width's own counts
 
 
 class DraftWidth:
-    def __init__(self, block_size: int, explore: int = 16, decay: float = 0.05, widen: bool = True):
+    def __init__(self, block_size: int, explore: int = 16, decay: float = 0.05):
         self.candidates = sorted({max(1, (block_size >> i) - 1) for i in range(3)}, reverse=True)  # 15, 7, 3
-        self.explore, self.decay, self.widen = explore, decay, widen
+        self.explore, self.decay = explore, decay
         self.counts: dict[str, torch.Tensor] = {}  # mode -> [widths, 2, B-1] float64 (tries, hits) per slot
         self.accept: dict[tuple[str, int], list[float]] = {}  # (mode, S) -> c_1 .. c_S as last read
         self._rounds: dict[str, int] = {}  # mode -> widths chosen
-        self._sweep: dict[str, tuple[int, torch.Tensor]] = {}  # mode -> (S, [1] 1.0 if every row took all S)
-        self._floor: dict[str, int] = {}  # mode -> the narrowest width the next choice may take (a read sweep)
 
     def observe(self, mode: str, slots: int, verified: torch.Tensor, accepted: torch.Tensor) -> None:
         """After a drafted chain round of `slots` draft slots: verified / accepted [N] (device; no read)."""
@@ -58,18 +49,15 @@ class DraftWidth:
         row.mul_(1 - self.decay)
         row[0, :slots] += ((v >= k) & (a >= k - 1)).sum(0)
         row[1, :slots] += (a >= k).sum(0)
-        self._sweep[mode] = (slots, (a >= slots).all().to(torch.float64).reshape(1))
 
     def pending(self, mode: str) -> torch.Tensor | None:
         """The counts to bring back with the round's read (flat), None before any."""
         c = self.counts.get(mode)
-        return None if c is None else torch.cat([c.flatten(), self._sweep[mode][1]])
+        return None if c is None else c.flatten()
 
     def absorb(self, mode: str, values: list[float]) -> None:
         """The read-back `pending` values -> each width's c_k."""
         W, S = len(self.candidates), self.candidates[0]
-        i = self.candidates.index(self._sweep[mode][0])  # the width of the round the flag (values[-1]) is of
-        self._floor[mode] = self.candidates[max(0, i - 1)] if self.widen and values[-1] and i > 0 else 0
         tries = [values[(w * 2) * S:(w * 2 + 1) * S] for w in range(W)]
         hits = [values[(w * 2 + 1) * S:(w * 2 + 2) * S] for w in range(W)]
         pooled = [sum(h[k] for h in hits) / n if (n := sum(t[k] for t in tries)) > 0 else 0.5 for k in range(S)]
@@ -86,7 +74,6 @@ class DraftWidth:
         rates = {S: self._rate(self.accept[mode, S], S, rows, cost) for S in self.candidates}
         top = max(rates.values())
         best = max(S for S in self.candidates if rates[S] >= top * (1 - 1e-6))  # ties keep the wider block
-        best = max(best, self._floor.pop(mode, 0))  # after a sweep: at least the next wider width
         n = self._rounds[mode] = self._rounds.get(mode, 0) + 1
         if n % self.explore:
             return best
