@@ -136,3 +136,12 @@ def test_bad_sampling_settings_are_one_line_errors(world, option, value, message
             "--no-build-engine", "--systems", "hf-ar", option, value]
     res = CliRunner().invoke(main, [str(a) for a in args])
     assert res.exit_code != 0 and message in res.output and "Traceback" not in res.output, res.output
+
+
+def test_drafter_weights_with_a_given_engine_is_refused(world, tmp_path):
+    """--engine runs a bundle as it was built: a --drafter-weights beside it would be recorded but not run."""
+    args = ["bench", "--target", world["target"], "--drafter", world["drafter"], "--prompts", world["prompts"],
+            "--engine", tmp_path, "--systems", "retrace-onnxruntime-ar", "--drafter-weights", "int8"]
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code != 0 and "--drafter-weights builds our bundles" in res.output, res.output
+    assert "Traceback" not in res.output

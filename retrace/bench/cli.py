@@ -80,6 +80,8 @@ def bench_command(*, target, drafter, engine, prompts, max_new_tokens, batch_siz
             raise RetraceError(f"{what} {d}: not a directory")
     if engine is not None and not Path(engine).is_dir():
         raise RetraceError(f"--engine {engine}: not a directory")
+    if engine is not None and drafter_weights is not None:  # the given bundle's drafter is what would run
+        raise RetraceError("--drafter-weights builds our bundles; --engine runs a bundle as it was built: give one")
     from retrace.bench.config import BenchConfig
     from retrace.bench.precision import parse as parse_weights
     from retrace.bench.runner import run_and_report

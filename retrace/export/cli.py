@@ -56,7 +56,7 @@ def _backends() -> list[str]:
 @click.option("--drafter-weights", type=click.Choice(["fp32", "int8", "int4", "w8a8"]), default=None,
               help="the drafter's own precision (its kind's default block and accuracy level): a draft never "
                    "changes the output, only how much of it is accepted; int8 beside an fp32 target drafts at "
-                   "0.15 of a decode instead of 0.20 at the Qwen3-0.6B shape, acceptance unchanged "
+                   "0.14 of a decode instead of 0.20 at the Qwen3-0.6B shape, acceptance unchanged "
                    "[default: --weights']")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="most concurrent requests")
 @click.option("--max-seq-len", type=int, default=None,
